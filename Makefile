@@ -1,0 +1,23 @@
+# shoal developer entry points. `make help` lists them.
+.PHONY: help install demo test test-fast bench lint
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
+
+install:  ## apt packages and .venv (idempotent)
+	@bash scripts/install.sh
+
+demo: install  ## the main job on embedded defaults: local registry, real image, convert, inspect
+	@.venv/bin/python scripts/demo.py
+
+test: install  ## the whole test suite (root: registry, containerd, FUSE)
+	@.venv/bin/python -m pytest -q tests
+
+test-fast: install  ## tests that need no daemons
+	@.venv/bin/python -m pytest -q tests -m "not registry and not containerd and not slow"
+
+bench: install  ## all benchmarks, quick versions
+	@for b in bench/*.py; do .venv/bin/python $$b --quick; done
+
+lint: install  ## ruff (style) if installed in .venv
+	@.venv/bin/python -m ruff check . 2>/dev/null || echo "ruff not installed: .venv/bin/pip install ruff"

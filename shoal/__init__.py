@@ -1,0 +1,1 @@
+"""Shared pieces of shoal: errors, digests, OCI media types. Small and free of I/O policy."""

@@ -1,0 +1,37 @@
+"""OCI digests (only sha256 is accepted)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from shoal.errors import DigestMismatch, FormatError
+
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def is_digest(value: object) -> bool:
+    return isinstance(value, str) and bool(_DIGEST_RE.match(value))
+
+
+def check_digest(value: object, what: str = "digest") -> str:
+    """Return value if it is a well-formed sha256 digest, else raise FormatError."""
+    if not is_digest(value):
+        shown = value if isinstance(value, str) and len(value) < 100 else type(value).__name__
+        raise FormatError(f"malformed {what}: {shown!r} (want sha256:<64 hex>)")
+    return value  # type: ignore[return-value]
+
+
+def sha256_digest(data: bytes | bytearray | memoryview) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def verify(data: bytes | bytearray | memoryview, expected: str, what: str) -> None:
+    """Raise DigestMismatch naming `what` unless sha256(data) == expected."""
+    got = sha256_digest(data)
+    if got != expected:
+        raise DigestMismatch(f"{what}: digest mismatch (want {expected}, got {got})")
+
+
+def hex_of(digest: str) -> str:
+    return check_digest(digest).split(":", 1)[1]
