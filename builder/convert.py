@@ -27,7 +27,7 @@ from typing import BinaryIO, Callable
 import zstandard
 
 from builder.oci.base import ImageDestination, ImageSource, Manifest
-from builder.oci.refs import open_destination, open_source
+from builder.oci.refs import check_destination, open_destination, open_source, parse_reference
 from builder.zstdchunked import LayerWriter, WriterOptions, location_from_annotations
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
@@ -234,16 +234,22 @@ class Converter:
             self._read_small_blob(config, f"{what}: config"), f"{what}: config {config.get('digest')}"
         )
         diff_ids = (config_doc.get("rootfs") or {}).get("diff_ids")
-        image_layers = all(isinstance(ly, dict) and ly.get("mediaType") in mt.LAYER_COMPRESSION for ly in layers)
-        if not image_layers or not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
-            if image_layers:
-                raise FormatError(f"{what}: config lists {len(diff_ids or [])} diff_ids for {len(layers)} layers")
+        if config.get("mediaType") not in (mt.OCI_CONFIG, mt.DOCKER_CONFIG):
             # Not a container image (an attestation, a signature, an artifact): copy as is.
             log.info("%s: manifest %s is not a container image; copied unchanged", what, m.digest)
             for ly in layers:
                 self._copy_blob(ly, f"{what}: blob")
             self.manifests.append({"platform": platform, "source_digest": m.digest, "digest": m.digest})
             return m
+        for i, ly in enumerate(layers):
+            if not isinstance(ly, dict) or ly.get("mediaType") not in mt.LAYER_COMPRESSION:
+                kind = ly.get("mediaType") if isinstance(ly, dict) else ly
+                raise FormatError(
+                    f"{what}: layer {i + 1}/{len(layers)} {ly.get('digest') if isinstance(ly, dict) else ''}: "
+                    f"unsupported layer media type {str(kind)[:100]!r}"
+                )
+        if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
+            raise FormatError(f"{what}: config lists {len(diff_ids or [])} diff_ids for {len(layers)} layers")
         new_layers = []
         for i, ly in enumerate(layers):
             new_layers.append(self._convert_layer(ly, i, len(layers), diff_ids[i], what))
@@ -370,6 +376,8 @@ def convert(
 ) -> dict:
     """Convert src_ref into dst_ref; returns the summary `shoal convert --json` prints."""
     opt = options or ConvertOptions()
+    parse_reference(src_ref)  # usage errors first, before any I/O
+    check_destination(dst_ref)
     start = time.monotonic()
     index = _ChunkIndex(opt.chunk_index) if opt.chunk_index else None
     try:

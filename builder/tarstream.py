@@ -13,7 +13,6 @@ and unknown entry types, bad checksums, truncated streams.
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable
 
@@ -86,7 +85,10 @@ def _number(field_bytes: bytes, what: str) -> int:
 
 
 def _checksum_ok(block: bytes) -> bool:
-    stored = _number(block[148:156], "chksum")
+    try:
+        stored = _number(block[148:156], "chksum")
+    except FormatError:
+        return False
     unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
     if stored == unsigned:
         return True
@@ -245,8 +247,11 @@ class TarReader:
         while True:
             start = self.offset
             block = self._read_upto(BLOCK)
-            if len(block) < BLOCK and block:
-                block += self._read_upto(BLOCK - len(block))
+            while 0 < len(block) < BLOCK:  # a block can straddle two reads
+                more = self._read_upto(BLOCK - len(block))
+                if not more:
+                    break
+                block += more
             if len(block) < BLOCK:
                 if block == b"" and not raw.strip(b"\0") and start > 0:
                     # Archive ended without end-of-archive blocks (some writers do).
@@ -261,7 +266,7 @@ class TarReader:
                 self._done = True
                 return None
             if not _checksum_ok(block):
-                raise FormatError(f"tar header checksum mismatch at byte {start}")
+                raise FormatError(f"tar header checksum mismatch at byte {start} (not a tar stream, or corrupted)")
             raw += block
             typeflag = block[156:157]
             size = _number(block[124:136], "size")
@@ -364,14 +369,17 @@ class TarReader:
         return self._trailer
 
 
-def clean_name(name: str) -> str:
+def clean_name(name: str, untrusted: bool = False) -> str:
     """The path an entry lands on inside the root, without leading `./` or `/`.
 
-    Raises FormatError for names that escape the root (`..` components) or are empty.
-    "" stands for the root itself.
+    "" stands for the root itself. Raises FormatError for names with `..` components
+    (they escape the root) and, when `untrusted` (names read from a layer), for
+    absolute names too: a layer that needs them is hostile or broken.
     """
     if "\0" in name:
         raise FormatError(f"path {name[:80]!r} contains a NUL byte")
+    if untrusted and name.startswith("/"):
+        raise FormatError(f"path {name[:200]!r} is absolute")
     parts = []
     for part in name.split("/"):
         if part in ("", "."):
@@ -380,11 +388,3 @@ def clean_name(name: str) -> str:
             raise FormatError(f"path {name[:200]!r} escapes the layer root")
         parts.append(part)
     return "/".join(parts)
-
-
-def link_target_inside(name: str, target: str) -> bool:
-    """True if a hard link target stays inside the root (targets are root-relative)."""
-    if target.startswith("/"):
-        target = target.lstrip("/")
-    norm = posixpath.normpath("/" + target)
-    return not any(p == ".." for p in target.split("/")) and norm != "/"

@@ -342,7 +342,7 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
         raw_name = raw.get("name")
         if not isinstance(raw_name, str):
             raise FormatError("TOC entry without a name")
-        name = clean_name(raw_name)
+        name = clean_name(raw_name, untrusted=True)
         if typ == CHUNK_TYPE:
             if current is None or current.name != name:
                 raise FormatError(f"TOC chunk entry {name!r} does not follow its file")
@@ -375,7 +375,7 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
             except ValueError:
                 raise FormatError(f"TOC entry {name!r}: xattr {k[:40]!r} is not base64") from None
         if e.type == "hardlink":
-            e.linkname = clean_name(e.linkname)
+            e.linkname = clean_name(e.linkname, untrusted=True)
             target = seen.get(e.linkname)
             if not e.linkname or target is None:
                 raise FormatError(f"TOC entry {name!r}: hard link to {e.linkname!r}, which is not an earlier entry")
@@ -689,9 +689,9 @@ class LayerWriter:
         )
 
     def _check_entry(self, entry: TarEntry, seen: dict[str, str]) -> None:
-        name = clean_name(entry.name)
+        name = clean_name(entry.name, untrusted=True)
         if entry.type == "hardlink":
-            target = clean_name(entry.linkname)
+            target = clean_name(entry.linkname, untrusted=True)
             if seen.get(target) not in ("reg", "symlink", "char", "block", "fifo"):
                 raise FormatError(f"tar entry {entry.name!r}: hard link to {entry.linkname!r}, not an earlier file")
         previous = seen.get(name)

@@ -1,13 +1,18 @@
 """Real services for tests, the demo and the benchmarks: Debian's docker-registry on
-loopback (and, later, containerd). Every process is stopped by its PID.
+loopback and Debian's containerd on a private unix socket. Every process is stopped by
+its PID.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -152,3 +157,240 @@ def start_registry(workdir: Path, auth: dict | None) -> RegistryServer:
     raise RuntimeError(f"docker-registry did not start; log:\n{tail}")
 
 
+# --- mounts ---------------------------------------------------------------------------
+
+
+def _unescape_mount_path(field: str) -> str:
+    """/proc/self/mounts escapes space, tab, newline and backslash as \\ooo."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_under(*paths: Path | str) -> list[str]:
+    """Mount points at or below any of `paths`, deepest first."""
+    prefixes = [os.path.realpath(p) for p in paths]
+    found = []
+    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            fields = line.split()
+            if len(fields) < 2:
+                continue
+            point = _unescape_mount_path(fields[1])
+            if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
+                found.append(point)
+    return sorted(set(found), key=lambda p: (p.count("/"), len(p)), reverse=True)
+
+
+def unmount_under(*paths: Path | str) -> list[str]:
+    """Lazily unmount everything at or below `paths` (deepest first); returns what was
+    still mounted afterwards (empty when all went)."""
+    for _ in range(3):
+        points = mounts_under(*paths)
+        if not points:
+            return []
+        for point in points:
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    return mounts_under(*paths)
+
+
+# --- containerd ------------------------------------------------------------------------
+
+CONTAINERD_BIN = "/usr/bin/containerd"
+CTR_BIN = "/usr/bin/ctr"
+CTR_NAMESPACE = "shoal-test"
+# sun_path is 108 bytes with its NUL; containerd also listens on ADDRESS + ".ttrpc".
+_MAX_SOCKET_PATH = 100
+
+
+class CtrError(RuntimeError):
+    """A `ctr` command failed; the message carries its command line and stderr."""
+
+    def __init__(self, proc: subprocess.CompletedProcess) -> None:
+        self.proc = proc
+        args = " ".join(str(a) for a in proc.args)
+        super().__init__(f"{args}: exit status {proc.returncode}\n{(proc.stderr or '')[-3000:]}")
+
+
+@dataclass
+class ContainerdServer:
+    """A running containerd with its own root, state and gRPC socket (`.address`).
+
+    `.ctr(...)` runs `ctr --address SOCK --namespace shoal-test ...`;
+    `.run(image, id, *command)` runs a container to completion with runc's state and
+    the IO FIFOs kept inside the work directory. `.stop()` stops everything it started.
+    """
+
+    address: str
+    workdir: Path
+    root: Path
+    state: Path
+    config_path: Path
+    log_path: Path
+    pid: int
+    runc_root: Path
+    fifo_dir: Path
+    socket_dir: Path | None = None  # a short directory of our own, when workdir is too deep
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def ctr(
+        self, *args: str, check: bool = True, namespace: str = CTR_NAMESPACE, timeout: float = 120,
+    ) -> subprocess.CompletedProcess:
+        cmd = [CTR_BIN, "--address", self.address, "--namespace", namespace, *map(str, args)]
+        proc = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+            encoding="utf-8", errors="surrogateescape",
+        )
+        if check and proc.returncode != 0:
+            raise CtrError(proc)
+        return proc
+
+    def run(
+        self, image: str, container_id: str, *command: str, namespace: str = CTR_NAMESPACE,
+        check: bool = True, timeout: float = 120,
+    ) -> subprocess.CompletedProcess:
+        """`ctr run --rm IMAGE ID [COMMAND...]` (runc state and FIFOs under workdir)."""
+        return self.ctr(
+            "run", "--rm", "--runc-root", str(self.runc_root), "--fifo-dir", str(self.fifo_dir),
+            image, container_id, *command, namespace=namespace, check=check, timeout=timeout,
+        )
+
+    def log_tail(self, size: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-size:]
+        except OSError:
+            return ""
+
+    def _kill_tasks(self) -> None:
+        """Kill and delete every task and container (so no container outlives us)."""
+        try:
+            namespaces = self.ctr("namespaces", "ls", "-q", timeout=10).stdout.split()
+        except (CtrError, subprocess.TimeoutExpired, OSError):
+            return
+        for ns in namespaces:
+            try:
+                tasks = self.ctr("tasks", "ls", "-q", namespace=ns, timeout=10).stdout.split()
+                for task in tasks:
+                    self.ctr("tasks", "kill", "-a", "-s", "SIGKILL", task, namespace=ns, check=False, timeout=10)
+                for task in tasks:
+                    for _ in range(50):
+                        if self.ctr("tasks", "rm", "-f", task, namespace=ns, check=False, timeout=10).returncode == 0:
+                            break
+                        time.sleep(0.1)
+                containers = self.ctr("containers", "ls", "-q", namespace=ns, timeout=10).stdout.split()
+                for cid in containers:
+                    self.ctr("containers", "rm", cid, namespace=ns, check=False, timeout=10)
+            except (CtrError, subprocess.TimeoutExpired, OSError):
+                continue
+
+    def _shim_pids(self) -> list[int]:
+        """Shims this containerd started (their command line names our socket)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    argv = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if b"-address" in argv:
+                i = argv.index(b"-address")
+                if i + 1 < len(argv) and argv[i + 1] == self.address.encode():
+                    pids.append(int(entry))
+        return pids
+
+    def stop(self) -> None:
+        """Stop containers, containerd (by PID, killed after a timeout) and its shims,
+        unmount whatever is left under its directories, and remove them."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._kill_tasks()
+        stop_process(self._proc)
+        for pid in self._shim_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        dirs = [self.root, self.state, self.runc_root, self.fifo_dir]
+        if self.socket_dir is not None:
+            dirs.append(self.socket_dir)
+        left = unmount_under(*dirs)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        if left:
+            raise RuntimeError(f"containerd: still mounted after umount -l: {left}")
+
+
+def _containerd_config(root: Path, state: Path, address: str) -> str:
+    def q(value: object) -> str:
+        return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+    return "\n".join([
+        "version = 2",
+        f"root = {q(root)}",
+        f"state = {q(state)}",
+        'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
+        "[grpc]",
+        f"  address = {q(address)}",
+        "[ttrpc]",
+        f"  address = {q(address + '.ttrpc')}",
+        "[debug]",
+        '  address = ""',
+        '  level = "info"',
+        "[metrics]",
+        '  address = ""',
+        '[plugins."io.containerd.internal.v1.opt"]',
+        f"  path = {q(root / 'opt')}",  # default /opt/containerd
+        "",
+    ])
+
+
+def start_containerd(workdir: Path | str) -> ContainerdServer:
+    """Start /usr/bin/containerd with root, state and socket inside `workdir` (or, when
+    that path is too long for a unix socket, a short private directory under /tmp)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    root, state = workdir / "root", workdir / "state"
+    runc_root, fifo_dir = workdir / "runc", workdir / "fifo"
+    for d in (root, state, runc_root, fifo_dir):
+        d.mkdir(exist_ok=True)
+    socket_dir = None
+    address = str(workdir / "containerd.sock")
+    if len(address) + len(".ttrpc") > _MAX_SOCKET_PATH:
+        socket_dir = Path(tempfile.mkdtemp(prefix="shoal-ctd-", dir="/tmp"))
+        address = str(socket_dir / "c.sock")
+    config_path = workdir / "containerd.toml"
+    config_path.write_text(_containerd_config(root, state, address))
+    log_path = workdir / "containerd.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [CONTAINERD_BIN, "--config", str(config_path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+    server = ContainerdServer(
+        address=address, workdir=workdir, root=root, state=state, config_path=config_path,
+        log_path=log_path, pid=proc.pid, runc_root=runc_root, fifo_dir=fifo_dir,
+        socket_dir=socket_dir, _proc=proc,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(address):
+                try:
+                    if server.ctr("version", check=False, timeout=5).returncode == 0:
+                        return server
+                except subprocess.TimeoutExpired:
+                    pass
+            time.sleep(0.05)
+    except BaseException:
+        server.stop()
+        raise
+    tail = server.log_tail()
+    server.stop()
+    raise RuntimeError(f"containerd did not start (exit status {proc.poll()}); log:\n{tail}")

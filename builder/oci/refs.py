@@ -170,15 +170,21 @@ def open_source(ref: str, plain_http: bool = False) -> ImageSource:
     return ArchiveSource(parsed.path, parsed.image)
 
 
+def check_destination(ref: str) -> DockerRef | LayoutRef:
+    """Parse a reference that will be written to; docker-archive: is refused (source only)."""
+    parsed = parse_reference(ref)
+    if isinstance(parsed, ArchiveRef):
+        raise UsageError(f"{ref}: docker-archive: can only be a source")
+    return parsed
+
+
 def open_destination(ref: str, plain_http: bool = False) -> ImageDestination:
     """Open a reference for writing. docker-archive: is refused (source only)."""
-    parsed = parse_reference(ref)
+    parsed = check_destination(ref)
     if isinstance(parsed, DockerRef):
         from builder.oci.registry import RegistryDestination
 
         return RegistryDestination(parsed, plain_http=plain_http)
-    if isinstance(parsed, LayoutRef):
-        from builder.oci.layout import LayoutDestination
+    from builder.oci.layout import LayoutDestination
 
-        return LayoutDestination(parsed.path, parsed.tag)
-    raise UsageError(f"{ref}: docker-archive: can only be a source")
+    return LayoutDestination(parsed.path, parsed.tag)

@@ -1,0 +1,95 @@
+"""Small helpers shared by the benchmarks in bench/ (see DESIGN.md, "Measuring").
+
+Every benchmark runs as `.venv/bin/python bench/NAME.py [--quick] [--json]`: progress on
+stderr, a table for people on stdout, or with --json one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+SHOAL = VENV_BIN / "shoal"
+
+T = TypeVar("T")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark has."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a small version that finishes in about a minute")
+    p.add_argument("--json", action="store_true", help="print one JSON object of the figures on stdout")
+    return p
+
+
+def say(message: str) -> None:
+    """A progress line on stderr (stdout is kept for the table or the JSON)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Where benchmarks keep expensive inputs between runs: $SHOAL_BENCH_CACHE or ~/.cache/shoal-bench."""
+    path = Path(os.environ.get("SHOAL_BENCH_CACHE") or Path.home() / ".cache" / "shoal-bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cores() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def run(cmd: Sequence[str | os.PathLike], **kwargs) -> subprocess.CompletedProcess:
+    """Run a command; on failure, exit the benchmark with its stderr."""
+    kwargs.setdefault("capture_output", True)
+    proc = subprocess.run([str(c) for c in cmd], **kwargs)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace") if isinstance(proc.stderr, bytes) else (proc.stderr or "")
+        sys.exit(f"bench: {' '.join(map(str, cmd))} failed (exit {proc.returncode}): {err.strip()[-2000:]}")
+    return proc
+
+
+def timed(fn: Callable[[], T], repeat: int, before: Callable[[], None] | None = None) -> tuple[float, list[float], T]:
+    """Call fn `repeat` times (after `before`, untimed, each time); (median seconds, all seconds, last result)."""
+    times: list[float] = []
+    result: T
+    for _ in range(max(1, repeat)):
+        if before:
+            before()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, result
+
+
+def read_through(path: str | os.PathLike) -> None:
+    """Read a file once, so every measurement starts with it in the page cache."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 << 20):
+            pass
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def emit_json(figures: dict) -> None:
+    """The one JSON object a benchmark prints with --json."""
+    print(json.dumps(figures, indent=2, sort_keys=True))
