@@ -13,6 +13,7 @@ gives the same digests.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -209,18 +210,24 @@ class Converter:
         data = _dumps(new_index)
         return Manifest(data, mt.OCI_INDEX, sha256_digest(data))
 
-    def _copy_blob(self, desc: dict, what: str) -> None:
+    def _copy_blob(self, desc: dict, what: str, check: Callable[[str], None] | None = None) -> None:
+        """Copy a blob to the destination (verified by its digest); `check(path)` may
+        inspect the downloaded file first (and raise to stop the copy)."""
         digest = check_digest(desc.get("digest"), f"{what} digest")
-        if self.dst.has_blob(digest):
+        if check is None and self.dst.has_blob(digest):
             return
         path = os.path.join(self._work, digest.split(":")[1])
         size = desc.get("size") if isinstance(desc.get("size"), int) else None
-        with self.src.open_blob(digest, size) as stream, open(path, "wb") as out:
-            shutil.copyfileobj(stream, out, 4 << 20)
         try:
-            self.dst.put_blob(path, digest, os.path.getsize(path))
+            with self.src.open_blob(digest, size) as stream, open(path, "wb") as out:
+                shutil.copyfileobj(stream, out, 4 << 20)
+            if check is not None:
+                check(path)
+            if not self.dst.has_blob(digest):
+                self.dst.put_blob(path, digest, os.path.getsize(path))
         finally:
-            os.unlink(path)
+            if os.path.exists(path):
+                os.unlink(path)
 
     def _convert_manifest(self, m: Manifest, platform: str | None) -> Manifest:
         what = f"{self.src.reference}" + (f" [{platform}]" if platform else "")
@@ -292,9 +299,19 @@ class Converter:
             log.info("%s: foreign layer, left as is", what)
             self.layers.append(report)
             return desc
-        if location_from_annotations(desc.get("annotations")) is not None and mt.LAYER_COMPRESSION[media_type] == "zstd":
+        loc = location_from_annotations(desc.get("annotations"))
+        if loc is not None and loc.tarsplit is not None and mt.LAYER_COMPRESSION[media_type] == "zstd":
+            # Current zstd:chunked: keep it, once its content is known to match the diff_id.
+            # (Old-variant layers, without tar-split, are rewritten below.)
+            def check(path: str) -> None:
+                with open(path, "rb") as f:
+                    got, n = _hash_tar(_Decompressing(f, "zstd", what))  # type: ignore[arg-type]
+                if got != diff_id:
+                    raise FormatError(f"{what}: uncompressed content has digest {got}, the config's diff_id is {diff_id}")
+                report.bytes_in = n
+
+            self._copy_blob(desc, what, check)
             log.info("%s: already zstd:chunked, copied unchanged", what)
-            self._copy_blob(desc, what)
             report.bytes_out = report.source_bytes
             self.layers.append(report)
             self._done_layers[src_digest] = (desc, report)
@@ -343,6 +360,15 @@ class Converter:
             what, result.digest, result.files, result.chunks, result.tar_size, result.size, report.seconds,
         )
         return new_desc
+
+
+def _hash_tar(stream) -> tuple[str, int]:
+    sha = hashlib.sha256()
+    n = 0
+    while data := stream.read(4 << 20):
+        sha.update(data)
+        n += len(data)
+    return "sha256:" + sha.hexdigest(), n
 
 
 def dedup_report(layers: list[LayerReport], index: _ChunkIndex | None, where: str) -> dict:

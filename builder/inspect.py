@@ -8,7 +8,7 @@ import logging
 import tempfile
 from typing import BinaryIO
 
-from builder.convert import _Decompressing, _load_json, _platform_of
+from builder.convert import _Decompressing, _hash_tar, _load_json, _platform_of
 from builder.oci.base import ImageSource, Manifest
 from builder.oci.refs import open_source
 from builder.zstdchunked import (
@@ -67,18 +67,6 @@ def toc_stats(loc: TocLocation, toc: Toc) -> dict:
     }
 
 
-def _hash_stream(stream, what: str) -> tuple[str, int]:
-    sha = hashlib.sha256()
-    n = 0
-    while True:
-        data = stream.read(4 << 20)
-        if not data:
-            break
-        sha.update(data)
-        n += len(data)
-    return "sha256:" + sha.hexdigest(), n
-
-
 def verify_layer(src: ImageSource, desc: dict, diff_id: str | None, toc: Toc | None, loc: TocLocation | None,
                  what: str) -> None:
     """Check blob digest, diff_id and (for zstd:chunked) every chunk and file digest."""
@@ -95,7 +83,7 @@ def verify_layer(src: ImageSource, desc: dict, diff_id: str | None, toc: Toc | N
                 tmp.write(data)
         tmp.flush()
         tmp.seek(0)
-        got, _ = _hash_stream(_Decompressing(tmp, compression, what), what)  # type: ignore[arg-type]
+        got, _ = _hash_tar(_Decompressing(tmp, compression, what))  # type: ignore[arg-type]
         if diff_id is not None and got != diff_id:
             raise DigestMismatch(f"{what}: uncompressed digest {got}, config diff_id {diff_id}")
         if toc is not None and loc is not None:

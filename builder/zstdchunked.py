@@ -48,7 +48,7 @@ import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, BinaryIO, Callable, Iterable, Sequence
+from typing import IO, BinaryIO, Callable, Iterable, Protocol, Sequence
 
 import pyfastcdc
 import zstandard
@@ -821,6 +821,25 @@ def _toc_json(records: Sequence[_FileRecord], tarsplit_digest: str) -> bytes:
 FetchRanges = Callable[[Sequence[tuple[int, int]]], Sequence[bytes]]
 
 
+class ChunkLoader(Protocol):
+    """Turns chunks into their verified, decompressed bytes (fetching as it must)."""
+
+    def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]: ...
+
+
+class RangeLoader:
+    """The plain loader: fetch the compressed ranges at once, decode and verify each."""
+
+    def __init__(self, fetch: FetchRanges):
+        self._fetch = fetch
+
+    def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]:
+        raws = self._fetch([(c.start, c.end) for c in chunks])
+        if len(raws) != len(chunks):
+            raise FormatError(f"{what}: fetch returned {len(raws)} ranges for {len(chunks)}")
+        return [decode_chunk(c, raw, what) for c, raw in zip(chunks, raws)]
+
+
 @dataclass
 class Stat:
     name: str
@@ -839,16 +858,24 @@ class Stat:
 class LayerReader:
     """Answers file-system questions about one layer from its TOC.
 
-    Paths are root-relative ("" is the root; leading "/" is accepted). Reads fetch only
-    the chunks they need through `fetch`, verify every chunk against its sha256 before
-    returning a byte of it, and keep a few decompressed chunks in an LRU.
+    Paths are root-relative ("" is the root; leading "/" is accepted). Reads load only
+    the chunks they need through `loader` (or a RangeLoader over `fetch`), which verifies
+    every chunk against its sha256 before a byte of it is returned; a few decompressed
+    chunks are kept in an LRU, so sequential small reads decode each chunk once.
     Errors: FileNotFoundError / NotADirectoryError / IsADirectoryError / OSError for
     path problems (errno set, so FUSE can pass them on); DigestMismatch and FormatError
     when the layer's bytes are bad.
     """
 
-    def __init__(self, toc: Toc, fetch: FetchRanges, cache_chunks: int = 16, layer: str = "layer"):
-        self._fetch = fetch
+    def __init__(
+        self, toc: Toc, fetch: FetchRanges | None = None, cache_chunks: int = 16, layer: str = "layer",
+        loader: ChunkLoader | None = None,
+    ):
+        if loader is None:
+            if fetch is None:
+                raise TypeError("LayerReader needs fetch or loader")
+            loader = RangeLoader(fetch)
+        self._loader = loader
         self._layer = layer
         self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._cache_max = cache_chunks
@@ -997,11 +1024,9 @@ class LayerReader:
                 else:
                     missing.append(c)
         if missing:
-            raws = self._fetch([(c.start, c.end) for c in missing])
-            if len(raws) != len(missing):
-                raise FormatError(f"{self._layer}: fetch returned {len(raws)} ranges for {len(missing)}")
-            for c, raw in zip(missing, raws):
-                result[(c.start, c.end)] = decode_chunk(c, raw, f"{self._layer} {path!r}")
+            datas = self._loader.load(missing, f"{self._layer} {path!r}")
+            for c, data in zip(missing, datas):
+                result[(c.start, c.end)] = data
             with self._lock:
                 for c in missing:
                     key = (c.start, c.end)

@@ -7,6 +7,7 @@ and why), 2 a usage error. `--json` prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -181,7 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit status 1 if any differs)",
     )
     i.set_defaults(func=cmd_inspect)
+
+    # Commands of the node and region components register themselves here; each module
+    # has add_parser(subparsers). They are imported only if installed (shoal[node]).
+    for module in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            if e.name and module.startswith(e.name):
+                continue
+            raise
+        mod.add_parser(sub)
     return p
+
+
+COMMAND_MODULES = ["cache.region.cli", "snapshotter.cli", "snapshotter.client_cli", "prefetch.cli"]
 
 
 def main(argv: list[str] | None = None) -> int:

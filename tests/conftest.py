@@ -34,6 +34,7 @@ import pytest
 from tests.services import REGISTRY_BIN  # noqa: E402
 TOKEN_SERVICE = "shoal-test-registry"
 TOKEN_ISSUER = "shoal-test-issuer"
+pytest_plugins = ["tests.fixtures_services"]
 
 
 # --- credentials ---------------------------------------------------------------------

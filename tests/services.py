@@ -200,7 +200,24 @@ def unmount_under(*paths: Path | str) -> list[str]:
     return mounts_under(*paths)
 
 
+def missing_dirs(*paths: Path | str) -> list[Path]:
+    """Those of `paths` that do not exist yet (to remove them later if left empty)."""
+    return [Path(p) for p in paths if not os.path.lexists(p)]
+
+
+def remove_empty_dirs(paths: list[Path]) -> None:
+    """rmdir each of `paths` (deepest first) that exists and is empty; never recursive."""
+    for p in sorted(paths, key=lambda p: len(p.parts), reverse=True):
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
 # --- containerd ------------------------------------------------------------------------
+
+# containerd 1.6 keeps shim sockets in /run/containerd/s whatever its configuration says.
+_CONTAINERD_RUN_DIRS = ("/run/containerd/s", "/run/containerd/fifo", "/run/containerd/runc", "/run/containerd")
 
 CONTAINERD_BIN = "/usr/bin/containerd"
 CTR_BIN = "/usr/bin/ctr"
@@ -238,13 +255,14 @@ class ContainerdServer:
     fifo_dir: Path
     socket_dir: Path | None = None  # a short directory of our own, when workdir is too deep
     _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _created_run_dirs: list[Path] = field(default_factory=list, repr=False)
 
     def ctr(
         self, *args: str, check: bool = True, namespace: str = CTR_NAMESPACE, timeout: float = 120,
     ) -> subprocess.CompletedProcess:
         cmd = [CTR_BIN, "--address", self.address, "--namespace", namespace, *map(str, args)]
         proc = subprocess.run(
-            cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+            cmd, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
             encoding="utf-8", errors="surrogateescape",
         )
         if check and proc.returncode != 0:
@@ -323,6 +341,7 @@ class ContainerdServer:
         left = unmount_under(*dirs)
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+        remove_empty_dirs(self._created_run_dirs)
         if left:
             raise RuntimeError(f"containerd: still mounted after umount -l: {left}")
 
@@ -367,6 +386,7 @@ def start_containerd(workdir: Path | str) -> ContainerdServer:
         address = str(socket_dir / "c.sock")
     config_path = workdir / "containerd.toml"
     config_path.write_text(_containerd_config(root, state, address))
+    created_run_dirs = missing_dirs(*_CONTAINERD_RUN_DIRS)
     log_path = workdir / "containerd.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -376,7 +396,7 @@ def start_containerd(workdir: Path | str) -> ContainerdServer:
     server = ContainerdServer(
         address=address, workdir=workdir, root=root, state=state, config_path=config_path,
         log_path=log_path, pid=proc.pid, runc_root=runc_root, fifo_dir=fifo_dir,
-        socket_dir=socket_dir, _proc=proc,
+        socket_dir=socket_dir, _proc=proc, _created_run_dirs=created_run_dirs,
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT

@@ -1,0 +1,96 @@
+"""`shoal pull` and `shoal status`: the node's command-line clients."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from shoal.errors import ShoalError
+
+DEFAULT_ROOT = "/var/lib/shoal"
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from snapshotter.pull import format_summary, pull
+
+    summary = pull(args.ref, args.address, args.namespace, args.plain_http, args.snapshotter, args.platform)
+    print(json.dumps(summary) if args.json else format_summary(summary))
+    return 0
+
+
+def node_status(root: str) -> dict:
+    """What the node at root is doing: layers (lazy/unpacked), reads, cache and sources."""
+    from snapshotter.fs.client import FSClient
+
+    status: dict = {"root": root, "fs_server": None, "lazy_layers": [], "unpacked_layers": []}
+    fs = FSClient(root)
+    if fs.running():
+        reply = fs.status()
+        status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s")}
+        status["lazy_layers"] = reply.get("layers", [])
+        status["data_path"] = reply.get("store", {})
+    unpacked = os.path.join(root, "unpacked")
+    if os.path.isdir(unpacked):
+        status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
+    return status
+
+
+def format_status(s: dict) -> str:
+    lines = [f"shoal node at {s['root']}"]
+    fs = s["fs_server"]
+    lines.append(f"  layer file system: pid {fs['pid']} at {fs['mount']}" if fs else "  layer file system: not running")
+    lines.append(f"  lazy layers: {len(s['lazy_layers'])}")
+    for ly in s["lazy_layers"]:
+        lines.append(
+            f"    {ly['digest']}  {ly['image']}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
+            f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B)  errors {ly['errors']}"
+        )
+    lines.append(f"  unpacked layers: {len(s['unpacked_layers'])}")
+    for d in s["unpacked_layers"]:
+        lines.append(f"    {d}")
+    dp = s.get("data_path") or {}
+    store = dp.get("store")
+    if store:
+        lines.append(
+            f"  chunk store: {store.get('chunks', 0)} chunks, {store.get('size_bytes', 0):,} of"
+            f" {store.get('capacity_bytes', 0):,} B; hits {store.get('hits', 0)}, misses {store.get('misses', 0)},"
+            f" evictions {store.get('evictions', 0)}"
+        )
+    for name, st in (dp.get("sources") or {}).items():
+        lines.append(f"  source {name}: {st['requests']} requests, {st['bytes']:,} B, {st['errors']} errors")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.root):
+        raise ShoalError(f"{args.root}: no shoal node state here (use --root)")
+    s = node_status(args.root)
+    print(json.dumps(s) if args.json else format_status(s))
+    return 0
+
+
+def add_parser(sub) -> None:
+    from snapshotter.pull import DEFAULT_ADDRESS
+
+    p = sub.add_parser(
+        "pull", help="pull an image into containerd with lazy layers",
+        description=(
+            "Pull REF into containerd: manifest and config into its content store, and every layer prepared "
+            "by shoal's snapshotter (lazily if the layer has a zstd:chunked TOC, else downloaded and unpacked "
+            "by the node). Afterwards `ctr run --snapshotter shoal REF ID` starts at once."
+        ),
+    )
+    p.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (docker:// optional)")
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"containerd's socket (default {DEFAULT_ADDRESS})")
+    p.add_argument("--namespace", default="default", help="containerd namespace (default: default)")
+    p.add_argument("--plain-http", action="store_true", help="HTTP to the registry (default for loopback)")
+    p.add_argument("--snapshotter", default="shoal", help="the proxy snapshotter's name in containerd's config")
+    p.add_argument("--platform", help="os/arch of an index to pull (default: this machine's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("status", help="what a node is doing: lazy and unpacked layers, cache and fetch figures")
+    s.add_argument("--root", default=DEFAULT_ROOT, help=f"the node's --root (default {DEFAULT_ROOT})")
+    s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    s.set_defaults(func=cmd_status)

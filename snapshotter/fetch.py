@@ -1,0 +1,165 @@
+"""How the node turns chunks into verified bytes: the chunk store, then the fetch chain.
+
+- A chunk already in the node's chunk store is served from there (the store verifies
+  what it returns).
+- A chunk nobody is fetching is fetched through the FetchChain (swarm, region, origin),
+  decompressed, verified against its sha256 and put in the store.
+- A chunk another reader is already fetching is waited for: a chunk is fetched once
+  however many readers want it (single flight, across layers too, since the key is the
+  chunk digest).
+Failures raise ShoalError naming the layer, file and chunk; the FUSE layer turns that
+into EIO for the reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Protocol, Sequence
+
+from builder.zstdchunked import Chunk, decode_chunk
+from cache.origin import merge_ranges
+from cache.source import BlobRef, FetchChain
+from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.fetch")
+
+
+class ChunkCache(Protocol):
+    """What the loader needs of a chunk store (cache.store.ChunkStore fits)."""
+
+    def get(self, digest: str) -> bytes | None: ...
+
+    def put(self, digest: str, data: bytes) -> None: ...
+
+
+class MemoryChunkCache:
+    """A bounded in-memory chunk cache, for when the node has no chunk store."""
+
+    def __init__(self, capacity: int = 256 << 20):
+        from collections import OrderedDict
+
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> bytes | None:
+        with self._lock:
+            data = self._data.get(digest)
+            if data is not None:
+                self._data.move_to_end(digest)
+            return data
+
+    def put(self, digest: str, data: bytes) -> None:
+        with self._lock:
+            if digest in self._data:
+                return
+            self._data[digest] = data
+            self._size += len(data)
+            while self._size > self._capacity and self._data:
+                _, old = self._data.popitem(last=False)
+                self._size -= len(old)
+
+
+class SingleFlight:
+    """Shared by every layer of a node: which chunk digests are being fetched now."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future] = {}
+        self.waits = 0  # reads that found their chunk already on its way
+
+    def claim(self, digest: str) -> tuple[Future, bool]:
+        """(future, owner): the owner fetches and resolves it; others wait on it."""
+        with self._lock:
+            fut = self._inflight.get(digest)
+            if fut is not None:
+                self.waits += 1
+                return fut, False
+            fut = self._inflight[digest] = Future()
+            return fut, True
+
+    def resolve(self, digest: str, data: bytes | None = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            fut = self._inflight.pop(digest, None)
+        if fut is None:
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(data)
+
+
+class NodeChunkLoader:
+    """A builder.zstdchunked.ChunkLoader for one layer blob on a node."""
+
+    def __init__(self, blob: BlobRef, chain: FetchChain, cache: ChunkCache, flight: SingleFlight, layer: str):
+        self.blob = blob
+        self.chain = chain
+        self.cache = cache
+        self.flight = flight
+        self.layer = layer
+        self.fetched_chunks = 0
+        self.fetched_bytes = 0  # compressed bytes that came over the network
+
+    def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]:
+        results: dict[int, bytes] = {}
+        waiting: list[tuple[int, Future]] = []
+        mine: list[tuple[int, Chunk]] = []
+        for i, c in enumerate(chunks):
+            data = self.cache.get(c.digest) if c.digest else None
+            if data is not None and len(data) == c.size:
+                results[i] = data
+                continue
+            fut, owner = self.flight.claim(c.digest or f"{self.blob.digest}@{c.start}")
+            if owner:
+                mine.append((i, c))
+            else:
+                waiting.append((i, fut))
+        if mine:
+            self._fetch(mine, results, what)
+        for i, fut in waiting:
+            try:
+                results[i] = fut.result(timeout=600)
+            except ShoalError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a waiter reports the owner's failure
+                raise ShoalError(f"{what}: chunk {chunks[i].digest}: {e}") from None
+        return [results[i] for i in range(len(chunks))]
+
+    def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str) -> None:
+        ranges = [(c.start, c.end) for _, c in mine]
+        try:
+            raws = self.chain.read_ranges(self.blob, ranges)
+        except ShoalError as e:
+            err = ShoalError(f"{what}: {len(mine)} chunks from {self.blob}: {e}")
+            for _, c in mine:
+                self.flight.resolve(c.digest or f"{self.blob.digest}@{c.start}", error=err)
+            log.error("%s", err)
+            raise err from None
+        first_error: ShoalError | None = None
+        for (i, c), raw in zip(mine, raws):
+            key = c.digest or f"{self.blob.digest}@{c.start}"
+            try:
+                data = decode_chunk(c, raw, f"{what} in {self.layer}")
+            except ShoalError as e:
+                log.error("%s (fetched from %s)", e, self.blob)
+                self.flight.resolve(key, error=e)
+                first_error = first_error or e
+                continue
+            if c.digest:
+                try:
+                    self.cache.put(c.digest, data)
+                except OSError as e:  # a full disk must not fail the read
+                    log.warning("%s: cannot store chunk %s: %s", self.layer, c.digest, e)
+            self.fetched_chunks += 1
+            self.fetched_bytes += len(raw)
+            results[i] = data
+            self.flight.resolve(key, data=data)
+        if first_error is not None:
+            raise first_error
+
+
+__all__ = ["NodeChunkLoader", "SingleFlight", "MemoryChunkCache", "ChunkCache", "merge_ranges"]

@@ -1,0 +1,97 @@
+"""The node's side of the layer file system: start the server, talk to its socket."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.fs")
+
+
+class FSClient:
+    """Talks to the layer file system server of ROOT, starting it if it is not running.
+
+    The server runs in its own session, so stopping the node leaves it (and every
+    container's files) running; stop() ends it explicitly.
+    """
+
+    def __init__(self, root: str, config: dict | None = None):
+        self.root = os.path.abspath(root)
+        self.config = config or {}
+        self.sock_path = os.path.join(self.root, "fs.sock")
+        self.mnt = os.path.join(self.root, "mnt")
+        self.pid: int | None = None
+
+    def call(self, op: str, timeout: float = 60.0, **args) -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(self.sock_path)
+            s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                data = s.recv(65536)
+                if not data:
+                    raise ShoalError(f"layer file system server closed the connection during {op}")
+                buf += data
+        reply = json.loads(buf)
+        if not reply.get("ok"):
+            raise ShoalError(f"layer file system: {op} failed: {reply.get('error')}")
+        return reply
+
+    def running(self) -> bool:
+        try:
+            self.pid = self.call("ping", timeout=5)["pid"]
+            return os.path.ismount(self.mnt)
+        except (OSError, ShoalError, ValueError):
+            return False
+
+    def ensure_running(self, timeout: float = 30.0) -> None:
+        if self.running():
+            return
+        os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
+        log_path = os.path.join(self.root, "logs", "fs.log")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "snapshotter.fs.server", "--root", self.root,
+                 "--config-json", json.dumps(self.config)],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives a restart of the node's control plane
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = open(log_path, errors="replace").read()[-1500:]
+                raise ShoalError(f"layer file system server exited with {proc.returncode}: {tail.strip()}")
+            if self.running():
+                log.info("layer file system server running (pid %d) at %s", self.pid, self.mnt)
+                return
+            time.sleep(0.05)
+        raise ShoalError(f"layer file system server did not start within {timeout:.0f}s (log: {log_path})")
+
+    def load(self, layer_id: str) -> str:
+        self.call("load", id=layer_id)
+        return os.path.join(self.mnt, layer_id)
+
+    def unload(self, layer_id: str) -> None:
+        self.call("unload", id=layer_id)
+
+    def status(self) -> dict:
+        return self.call("status")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server by its PID and wait until the mount is gone."""
+        if not self.running() or self.pid is None:
+            return
+        os.kill(self.pid, 15)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and os.path.ismount(self.mnt):
+            time.sleep(0.05)
+        if os.path.ismount(self.mnt):
+            subprocess.run(["umount", "-l", self.mnt], check=False)

@@ -1,0 +1,396 @@
+"""The layer file system server: one FUSE mount serving every lazy layer of a node.
+
+    ROOT/mnt/<layer digest hex>/...   one read-only directory per layer (overlay lowerdir)
+    ROOT/layers/<hex>/toc.json        the verified TOC (written by the node before `load`)
+    ROOT/layers/<hex>/blob.json       where the blob lives (registry, repository, digest)
+    ROOT/fs.sock                      control socket: JSON lines {"op": ...} -> {"ok": ...}
+
+It runs as a process of its own (pyfuse3 serves one mount per process, on trio), so a
+restart of the node's control plane (gRPC, asyncio) does not take running containers'
+files away: the node reconnects to this server by its socket. On start it loads every
+layer found under ROOT/layers, so a reboot restores the mounts too.
+
+Control ops: ping, load {id}, unload {id}, status.
+Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
+then swarm/region/origin, verified); any failure is EIO plus a log line that names the
+layer, the file and the chunk. Metadata operations never touch the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import stat as statmod
+import sys
+import time
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from builder.zstdchunked import LayerReader, parse_toc
+from cache.source import BlobRef
+from shoal.errors import ShoalError
+from snapshotter.fs.view import LayerView, Node
+
+log = logging.getLogger("shoal.fs")
+
+LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
+TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
+ROOT_TIMEOUT = 1.0  # the set of layers changes
+
+
+@dataclass
+class Layer:
+    number: int
+    id: str  # blob digest hex
+    blob: BlobRef
+    image: str
+    view: LayerView
+    loader: object
+    loaded_at: float
+    reads: int = 0
+    read_bytes: int = 0
+    errors: int = 0
+
+
+def layer_dir(root: str, layer_id: str) -> str:
+    return os.path.join(root, "layers", layer_id)
+
+
+class LayerFS(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self, root: str, make_loader):
+        super().__init__()
+        self.root = root
+        self.make_loader = make_loader  # (blob, layer name) -> ChunkLoader
+        self.layers: dict[str, Layer] = {}
+        self.by_number: dict[int, Layer] = {}
+        self._next_number = 1
+        self.started = time.time()
+
+    # --- layers -------------------------------------------------------------------------
+
+    def load(self, layer_id: str) -> Layer:
+        if layer_id in self.layers:
+            return self.layers[layer_id]
+        if not layer_id.isalnum() or len(layer_id) != 64:
+            raise ShoalError(f"bad layer id {layer_id[:80]!r}")
+        d = layer_dir(self.root, layer_id)
+        with open(os.path.join(d, "blob.json")) as f:
+            meta = json.load(f)
+        blob = BlobRef(meta["registry"], meta["repository"], meta["digest"], meta.get("size"),
+                       bool(meta.get("plain_http")))
+        with open(os.path.join(d, "toc.json"), "rb") as f:
+            toc = parse_toc(f.read(), blob.size)
+        name = f"layer {blob.digest} of {meta.get('image', '?')}"
+        loader = self.make_loader(blob, name)
+        view = LayerView(LayerReader(toc, loader=loader, layer=name))
+        if view.max_ino >= 1 << LAYER_SHIFT:
+            raise ShoalError(f"{name}: too many entries")
+        layer = Layer(self._next_number, layer_id, blob, meta.get("image", ""), view, loader, time.time())
+        self._next_number += 1
+        self.layers[layer_id] = layer
+        self.by_number[layer.number] = layer
+        log.info("loaded %s (%d entries)", name, len(toc.entries))
+        return layer
+
+    def unload(self, layer_id: str) -> bool:
+        layer = self.layers.pop(layer_id, None)
+        if layer is None:
+            return False
+        del self.by_number[layer.number]
+        try:
+            pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, layer_id.encode())
+        except Exception:  # noqa: BLE001 - best effort: the entry times out anyway
+            pass
+        log.info("unloaded layer %s", layer.blob.digest)
+        return True
+
+    def status(self) -> dict:
+        layers = []
+        for layer in self.layers.values():
+            loader = layer.loader
+            layers.append({
+                "id": layer.id, "digest": layer.blob.digest, "image": layer.image,
+                "registry": layer.blob.registry, "repository": layer.blob.repository,
+                "reads": layer.reads, "read_bytes": layer.read_bytes, "errors": layer.errors,
+                "fetched_chunks": getattr(loader, "fetched_chunks", 0),
+                "fetched_bytes": getattr(loader, "fetched_bytes", 0),
+            })
+        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1)}
+
+    # --- inode plumbing -------------------------------------------------------------------
+
+    def _resolve(self, inode: int) -> tuple[Layer, Node]:
+        layer = self.by_number.get(inode >> LAYER_SHIFT)
+        node = layer.view.node(inode & ((1 << LAYER_SHIFT) - 1)) if layer else None
+        if layer is None or node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return layer, node
+
+    def _attrs(self, layer: Layer, node: Node) -> pyfuse3.EntryAttributes:
+        st = layer.view.stat(node)
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = (layer.number << LAYER_SHIFT) | node.ino
+        a.generation = 0
+        a.entry_timeout = TIMEOUT
+        a.attr_timeout = TIMEOUT
+        a.st_mode = LayerView.mode(st)
+        a.st_nlink = st.nlink
+        a.st_uid = st.uid
+        a.st_gid = st.gid
+        a.st_rdev = os.makedev(st.devmajor, st.devminor)
+        a.st_size = st.size
+        a.st_blksize = 4096
+        a.st_blocks = (st.size + 511) // 512
+        ns = int(st.mtime * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
+        return a
+
+    def _root_attrs(self) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = pyfuse3.ROOT_INODE
+        a.entry_timeout = a.attr_timeout = ROOT_TIMEOUT
+        a.st_mode = statmod.S_IFDIR | 0o755
+        a.st_nlink = 2 + len(self.layers)
+        a.st_blksize = 4096
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(self.started * 1e9)
+        return a
+
+    def _layer_root_attrs(self, layer: Layer) -> pyfuse3.EntryAttributes:
+        a = self._attrs(layer, layer.view.node(1))
+        return a
+
+    # --- FUSE operations ------------------------------------------------------------------
+
+    async def getattr(self, inode, ctx=None):
+        if inode == pyfuse3.ROOT_INODE:
+            return self._root_attrs()
+        return self._attrs(*self._resolve(inode))
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        text = os.fsdecode(name)
+        if parent_inode == pyfuse3.ROOT_INODE:
+            layer = self.layers.get(text)
+            if layer is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self._layer_root_attrs(layer)
+        layer, node = self._resolve(parent_inode)
+        child = layer.view.lookup(node, text)
+        if child is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(layer, child)
+
+    async def opendir(self, inode, ctx):
+        if inode != pyfuse3.ROOT_INODE:
+            layer, node = self._resolve(inode)
+            if layer.view.stat(node).type != "dir":
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh, start_id, token):
+        if fh == pyfuse3.ROOT_INODE:
+            entries = [(lid, self._layer_root_attrs(layer)) for lid, layer in sorted(self.layers.items())]
+        else:
+            layer, node = self._resolve(fh)
+            entries = [(name, self._attrs(layer, child)) for name, child in layer.view.listdir(node)]
+        for i in range(start_id, len(entries)):
+            name, attrs = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), attrs, i + 1):
+                break
+
+    async def releasedir(self, fh):
+        pass
+
+    async def open(self, inode, flags, ctx):
+        layer, node = self._resolve(inode)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if layer.view.stat(node).type != "reg":
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        layer, node = self._resolve(fh)
+        layer.reads += 1
+        try:
+            data = await trio.to_thread.run_sync(layer.view.reader.read, node.path, off, size)
+        except ShoalError as e:
+            layer.errors += 1
+            log.error("read %s offset %d size %d of %s: %s", node.path, off, size, layer.blob.digest, e)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:  # noqa: BLE001 - a bug must not take the mount down
+            layer.errors += 1
+            log.exception("read %s of %s failed", node.path, layer.blob.digest)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        layer.read_bytes += len(data)
+        return data
+
+    async def release(self, fh):
+        pass
+
+    async def readlink(self, inode, ctx):
+        layer, node = self._resolve(inode)
+        try:
+            return os.fsencode(layer.view.reader.readlink(node.path))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EINVAL) from None
+
+    async def listxattr(self, inode, ctx):
+        if inode == pyfuse3.ROOT_INODE:
+            return []
+        layer, node = self._resolve(inode)
+        return [os.fsencode(k) for k in layer.view.xattrs(node)]
+
+    async def getxattr(self, inode, name, ctx):
+        if inode == pyfuse3.ROOT_INODE:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        layer, node = self._resolve(inode)
+        value = layer.view.xattrs(node).get(os.fsdecode(name))
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    async def access(self, inode, mode, ctx):
+        if mode & os.W_OK:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        files = sum(len(layer.view.nodes) for layer in self.layers.values())
+        size = sum(e.size for layer in self.layers.values() for e in layer.view.reader.entries.values())
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = (size + 4095) // 4096
+        s.f_bfree = s.f_bavail = 0
+        s.f_files = files
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+
+# --- control socket -----------------------------------------------------------------------
+
+
+async def _handle(fs: LayerFS, stream: trio.SocketStream) -> None:
+    buf = b""
+    async with stream:
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                reply = await _dispatch(fs, line)
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+
+async def _dispatch(fs: LayerFS, line: bytes) -> dict:
+    try:
+        req = json.loads(line)
+        op = req.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if op == "load":
+            layer = fs.load(str(req["id"]))
+            return {"ok": True, "number": layer.number}
+        if op == "unload":
+            return {"ok": True, "unloaded": fs.unload(str(req["id"]))}
+        if op == "status":
+            return {"ok": True, **fs.status(), "store": fs_store_stats(fs)}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+    except (ShoalError, OSError, ValueError, KeyError) as e:
+        log.error("control %s: %s", line[:200], e)
+        return {"ok": False, "error": str(e) or type(e).__name__}
+
+
+def fs_store_stats(fs: LayerFS) -> dict:
+    stats = getattr(fs, "store_stats", None)
+    return stats() if stats else {}
+
+
+async def serve_control(fs: LayerFS, path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    listener = trio.SocketListener(sock)
+    await trio.serve_listeners(lambda s: _handle(fs, s), [listener])
+
+
+# --- process ------------------------------------------------------------------------------
+
+
+def build_fs(root: str, config: dict) -> LayerFS:
+    """The file system with the node's fetch chain and chunk store (from config)."""
+    from snapshotter.assemble import make_loader_factory
+
+    factory, store_stats = make_loader_factory(root, config)
+    fs = LayerFS(root, factory)
+    fs.store_stats = store_stats  # type: ignore[attr-defined]
+    return fs
+
+
+async def _main(fs: LayerFS, root: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_control, fs, os.path.join(root, "fs.sock"))
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+def run(root: str, config: dict) -> int:
+    mnt = os.path.join(root, "mnt")
+    os.makedirs(mnt, exist_ok=True)
+    os.makedirs(os.path.join(root, "layers"), exist_ok=True)
+    if os.path.ismount(mnt):  # a server that died without unmounting
+        os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")  # noqa: S605
+    fs = build_fs(root, config)
+    for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
+        try:
+            fs.load(layer_id)
+        except (ShoalError, OSError, ValueError, KeyError) as e:
+            log.error("cannot restore layer %s: %s", layer_id, e)
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=shoal", "subtype=shoal", "ro", "allow_other", "default_permissions"}
+    options.discard("default_permissions")
+    options.add("default_permissions")
+    pyfuse3.init(fs, mnt, options)
+    stop = {"flag": False}
+
+    def _term(*_):
+        stop["flag"] = True
+        pyfuse3.terminate()
+
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    log.info("serving %d layers at %s (pid %d)", len(fs.layers), mnt, os.getpid())
+    try:
+        trio.run(_main, fs, root)
+    finally:
+        pyfuse3.close(unmount=True)
+        log.info("unmounted %s", mnt)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shoal-fs", description="shoal's layer file system server (started by shoal node)")
+    p.add_argument("--root", required=True)
+    p.add_argument("--config-json", default="{}", help="node configuration, as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s shoal-fs %(levelname)s %(message)s", stream=sys.stderr)
+    return run(os.path.abspath(args.root), json.loads(args.config_json))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

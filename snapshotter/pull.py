@@ -1,0 +1,281 @@
+"""`shoal pull REF`: put an image into containerd with its layers provided by shoal.
+
+1. The manifest (and index) and the config are fetched, verified and written into
+   containerd's content store; layer blobs are not.
+2. Each layer is prepared through containerd's Snapshots API for the `shoal` snapshotter
+   with the remote-snapshot labels (target chain id, layer digest, image reference, and
+   the layer's TOC position and digest). shoal's node provides the layer (lazily when it
+   has a TOC, unpacked otherwise) and answers AlreadyExists; containerd records the
+   committed snapshot.
+3. The image record is created, and the config carries the snapshot GC reference, so
+   `ctr run --snapshotter shoal REF ID` starts a container at once.
+Everything happens under a lease so containerd's GC cannot remove half a pull.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+from builder.oci.base import Manifest
+from builder.oci.refs import DockerRef, parse_reference
+from builder.oci.registry import RegistrySource
+from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
+from cache.origin import is_loopback_host
+from shoal import mediatypes as mt
+from shoal.digest import check_digest
+from shoal.errors import FormatError, ShoalError, TransportError, UsageError
+from snapshotter import remote
+
+log = logging.getLogger("shoal.pull")
+
+DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """containerd's chain ids: chain[0] = diff[0], chain[i] = sha256(chain[i-1] + " " + diff[i])."""
+    out: list[str] = []
+    for d in diff_ids:
+        out.append(d if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest())
+    return out
+
+
+def host_platform() -> str:
+    machine = os.uname().machine
+    return "linux/" + {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
+
+
+@dataclass
+class PulledLayer:
+    digest: str
+    chain_id: str
+    kind: str  # lazy | unpacked | present
+    size: int | None
+
+
+class _Containerd:
+    """The few containerd gRPC calls a pull needs (the stubs live at the edge: here)."""
+
+    def __init__(self, address: str, namespace: str):
+        import grpc
+
+        from snapshotter.stubs import containerd_stubs
+
+        self.grpc = grpc
+        self.pb = containerd_stubs()
+        self.channel = grpc.insecure_channel(f"unix://{os.path.abspath(address)}")
+        self.namespace = namespace
+        self.lease: str | None = None
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=10)
+        except grpc.FutureTimeoutError:
+            raise TransportError(f"containerd at {address} does not answer") from None
+
+    def _md(self) -> list[tuple[str, str]]:
+        md = [("containerd-namespace", self.namespace)]
+        if self.lease:
+            md.append(("containerd-lease", self.lease))
+        return md
+
+    def call(self, stub_cls, method: str, request, what: str):
+        stub = stub_cls(self.channel)
+        try:
+            return getattr(stub, method)(request, metadata=self._md(), timeout=600)
+        except self.grpc.RpcError as e:
+            raise _RpcFailure(e.code(), f"{what}: {e.details()}") from None
+
+    def create_lease(self) -> None:
+        pb = self.pb
+        lease_id = f"shoal-pull-{secrets.token_hex(6)}"
+        expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        req = pb.leases.CreateRequest(id=lease_id, labels={"containerd.io/gc.expire": expire})
+        self.call(pb.leases_grpc.LeasesStub, "Create", req, "create lease")
+        self.lease = lease_id
+
+    def delete_lease(self) -> None:
+        if self.lease:
+            lease, self.lease = self.lease, None
+            try:
+                self.call(self.pb.leases_grpc.LeasesStub, "Delete", self.pb.leases.DeleteRequest(id=lease), "lease")
+            except _RpcFailure as e:
+                log.warning("deleting lease %s: %s", lease, e)
+
+    def write_content(self, data: bytes, digest: str, labels: dict[str, str]) -> None:
+        pb = self.pb
+        ref = f"shoal-pull-{digest}"
+        reqs = [
+            pb.content.WriteContentRequest(action=pb.content.WRITE, ref=ref, total=len(data), expected=digest,
+                                           offset=0, data=data),
+            pb.content.WriteContentRequest(action=pb.content.COMMIT, ref=ref, total=len(data), expected=digest,
+                                           offset=len(data), labels=labels),
+        ]
+        stub = pb.content_grpc.ContentStub(self.channel)
+        try:
+            for _ in stub.Write(iter(reqs), metadata=self._md(), timeout=600):
+                pass
+        except self.grpc.RpcError as e:
+            if e.code() != self.grpc.StatusCode.ALREADY_EXISTS:
+                raise TransportError(f"containerd content write {digest}: {e.details()}") from None
+            info = pb.content.Info(digest=digest, labels=labels)
+            mask = pb.field_mask(paths=[f"labels.{k}" for k in labels])
+            self.call(pb.content_grpc.ContentStub, "Update", pb.content.UpdateRequest(info=info, update_mask=mask),
+                      f"content labels {digest}")
+
+    def snapshot_exists(self, snapshotter: str, key: str) -> bool:
+        pb = self.pb
+        try:
+            self.call(pb.snapshots_grpc.SnapshotsStub, "Stat",
+                      pb.snapshots.StatSnapshotRequest(snapshotter=snapshotter, key=key), "stat")
+            return True
+        except _RpcFailure as e:
+            if e.code == self.grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+
+    def prepare_remote(self, snapshotter: str, parent: str, labels: dict[str, str], what: str) -> None:
+        pb = self.pb
+        key = f"shoal-pull-{secrets.token_hex(8)} {labels[remote.LABEL_TARGET]}"
+        req = pb.snapshots.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent, labels=labels)
+        try:
+            self.call(pb.snapshots_grpc.SnapshotsStub, "Prepare", req, what)
+        except _RpcFailure as e:
+            if e.code == self.grpc.StatusCode.ALREADY_EXISTS:
+                return  # the snapshotter provided the layer: the remote-snapshot answer
+            raise ShoalError(str(e)) from None
+        # An ordinary active snapshot: the snapshotter could not provide this layer.
+        self.call(pb.snapshots_grpc.SnapshotsStub, "Remove",
+                  pb.snapshots.RemoveSnapshotRequest(snapshotter=snapshotter, key=key), "remove")
+        raise ShoalError(f"{what}: the {snapshotter!r} snapshotter did not provide the layer "
+                         "(is it shoal's node, and does containerd pass it the labels?)")
+
+    def put_image(self, name: str, target: dict, labels: dict[str, str]) -> None:
+        pb = self.pb
+        desc = pb.descriptor.Descriptor(media_type=target["mediaType"], digest=target["digest"], size=target["size"])
+        image = pb.images.Image(name=name, target=desc, labels=labels)
+        try:
+            self.call(pb.images_grpc.ImagesStub, "Create", pb.images.CreateImageRequest(image=image), "image")
+        except _RpcFailure as e:
+            if e.code != self.grpc.StatusCode.ALREADY_EXISTS:
+                raise ShoalError(str(e)) from None
+            self.call(pb.images_grpc.ImagesStub, "Update", pb.images.UpdateImageRequest(image=image), "image")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _RpcFailure(ShoalError):
+    def __init__(self, code, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: str) -> tuple[Manifest, dict | None]:
+    if root.media_type in mt.MANIFEST_TYPES:
+        return root, None
+    if root.media_type not in mt.INDEX_TYPES:
+        raise FormatError(f"{ref}: unsupported manifest type {root.media_type}")
+    index = json.loads(root.data)
+    for d in index.get("manifests") or []:
+        p = d.get("platform") or {}
+        have = f"{p.get('os')}/{p.get('architecture')}"
+        if have == platform or (p.get("variant") and f"{have}/{p['variant']}" == platform):
+            return src.get_manifest(check_digest(d.get("digest"))), d
+    raise UsageError(f"{ref}: no manifest for platform {platform}")
+
+
+def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", plain_http: bool = False,
+         snapshotter: str = "shoal", platform: str | None = None) -> dict:
+    """Pull ref into containerd with shoal-provided layers; returns a summary."""
+    text = ref if ref.startswith("docker://") else f"docker://{ref}"
+    parsed = parse_reference(text)
+    if not isinstance(parsed, DockerRef):
+        raise UsageError(f"{ref}: shoal pull takes a registry reference (HOST/REPO:TAG)")
+    name = text.removeprefix("docker://")
+    plain = plain_http or is_loopback_host(parsed.host)
+    platform = platform or host_platform()
+    start = time.monotonic()
+    src = RegistrySource(parsed, plain_http=plain)
+    ctr = _Containerd(address, namespace)
+    try:
+        root = src.get_root()
+        manifest, index_entry = _select_manifest(src, root, platform, ref)
+        doc = json.loads(manifest.data)
+        config_desc = doc["config"]
+        with src.open_blob(check_digest(config_desc["digest"]), config_desc.get("size")) as s:
+            config_bytes = s.read()
+            while s.read(65536):
+                pass
+        config = json.loads(config_bytes)
+        diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
+        layers = doc.get("layers") or []
+        if len(diff_ids) != len(layers):
+            raise FormatError(f"{ref}: config lists {len(diff_ids)} diff_ids for {len(layers)} layers")
+        chains = chain_ids(diff_ids)
+        ctr.create_lease()
+        pulled: list[PulledLayer] = []
+        for i, (layer, chain) in enumerate(zip(layers, chains)):
+            lazy = location_from_annotations(layer.get("annotations")) is not None
+            what = f"{name}: layer {i + 1}/{len(layers)} {layer['digest']}"
+            if ctr.snapshot_exists(snapshotter, chain):
+                pulled.append(PulledLayer(layer["digest"], chain, "present", layer.get("size")))
+                continue
+            labels = {
+                remote.LABEL_TARGET: chain,
+                remote.LABEL_IMAGE_REF: name,
+                remote.LABEL_LAYER_DIGEST: layer["digest"],
+                remote.LABEL_LAYER_SIZE: str(layer.get("size", "")),
+                remote.LABEL_LAYER_MEDIA_TYPE: layer.get("mediaType", ""),
+                remote.LABEL_CRI_IMAGE_REF: name,
+                remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
+                remote.LABEL_CRI_MANIFEST_DIGEST: manifest.digest,
+            }
+            if plain:
+                labels[remote.LABEL_PLAIN_HTTP] = "true"
+            if lazy:
+                ann = layer["annotations"]
+                loc = location_from_annotations(ann)
+                labels[remote.LABEL_TOC_POSITION] = (
+                    ann.get(MANIFEST_POSITION) or f"{loc.toc.offset}:{loc.toc.length}:{loc.toc.uncompressed}:1")
+                labels[remote.LABEL_TOC_DIGEST] = ann.get(MANIFEST_CHECKSUM) or loc.toc_digest
+            ctr.prepare_remote(snapshotter, chains[i - 1] if i else "", labels, what)
+            kind = "lazy" if lazy else "unpacked"
+            log.info("%s: %s", what, kind)
+            pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
+        # content: config (holding the snapshot GC reference), manifest, index
+        gc = f"containerd.io/gc.ref.snapshot.{snapshotter}"
+        ctr.write_content(config_bytes, config_desc["digest"], {gc: chains[-1]} if chains else {})
+        ctr.write_content(manifest.data, manifest.digest, {"containerd.io/gc.ref.content.config": config_desc["digest"]})
+        target = {"mediaType": manifest.media_type, "digest": manifest.digest, "size": len(manifest.data)}
+        if index_entry is not None:
+            ctr.write_content(root.data, root.digest, {"containerd.io/gc.ref.content.m.0": manifest.digest})
+            target = {"mediaType": root.media_type, "digest": root.digest, "size": len(root.data)}
+        ctr.put_image(name, target, {})
+    finally:
+        ctr.delete_lease()
+        ctr.close()
+        src.close()
+    return {
+        "image": name,
+        "digest": root.digest,
+        "manifest": manifest.digest,
+        "platform": platform,
+        "snapshotter": snapshotter,
+        "layers": [p.__dict__ for p in pulled],
+        "lazy": sum(p.kind == "lazy" for p in pulled),
+        "unpacked": sum(p.kind == "unpacked" for p in pulled),
+        "seconds": round(time.monotonic() - start, 3),
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{s['image']}  {s['digest']}  ({s['platform']}, snapshotter {s['snapshotter']})"]
+    for i, ly in enumerate(s["layers"], 1):
+        size = f"{ly['size']:,} B" if isinstance(ly["size"], int) else "?"
+        lines.append(f"  {i:>3}  {ly['digest']}  {size:>16}  {ly['kind']}")
+    lines.append(f"  {s['lazy']} lazy, {s['unpacked']} unpacked, in {s['seconds']:.1f}s")
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""Remote snapshots: layers the node provides itself instead of containerd unpacking them.
+
+containerd's unpacker calls Prepare with `containerd.io/snapshot.ref` (the target chain
+id) and, from CRI or `shoal pull`, the layer digest and the image reference. For a layer
+whose descriptor carries a zstd:chunked TOC, the node fetches the TOC, verifies it
+against the digest in the layer annotation, and serves the layer lazily through the
+layer file system. Any other layer is downloaded, verified and unpacked by the node.
+Either way the snapshot is committed under the target name and containerd skips the
+layer. Which layers are lazy and which were unpacked is recorded in the snapshot labels
+(`shoal.io/layer-kind`), the log, and `shoal status`.
+
+Where the layer annotations come from: `shoal pull` passes them as labels
+(LABEL_TOC_POSITION / LABEL_TOC_DIGEST); otherwise (CRI) the manifest named by
+`cri.manifest-digest` is fetched from the registry and verified by its digest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from builder.convert import _Decompressing
+from builder.oci.refs import DockerRef
+from builder.oci.registry import RegistrySource
+from builder.zstdchunked import (
+    MANIFEST_CHECKSUM,
+    MANIFEST_POSITION,
+    OLD_MANIFEST_CHECKSUM,
+    OLD_MANIFEST_POSITION,
+    decompress_toc,
+    location_from_annotations,
+    parse_toc,
+)
+from cache.origin import is_loopback_host
+from cache.source import BlobRef
+from shoal import mediatypes as mt
+from shoal.digest import check_digest, hex_of
+from shoal.errors import FormatError, ShoalError
+from snapshotter.fs.client import FSClient
+from snapshotter.unpack import unpack
+
+log = logging.getLogger("shoal.remote")
+
+LABEL_TARGET = "containerd.io/snapshot.ref"
+LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
+LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
+LABEL_CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
+# Set by `shoal pull` (it has the manifest already). containerd passes a snapshotter only
+# labels named "containerd.io/snapshot/..." (snapshots.FilterInheritedLabels).
+_P = "containerd.io/snapshot/shoal."
+LABEL_IMAGE_REF = _P + "image-ref"
+LABEL_LAYER_DIGEST = _P + "layer-digest"
+LABEL_LAYER_SIZE = _P + "layer-size"
+LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
+LABEL_TOC_POSITION = _P + "toc-position"
+LABEL_TOC_DIGEST = _P + "toc-digest"
+LABEL_PLAIN_HTTP = _P + "plain-http"
+LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
+
+
+@dataclass
+class ProvidedLayer:
+    path: str
+    kind: str  # "lazy" | "unpacked"
+    digest: str
+    labels: dict[str, str]
+
+
+def parse_image_ref(ref: str) -> tuple[str, str]:
+    """(registry host, repository) of `HOST/REPO[:TAG][@DIGEST]` (docker:// allowed)."""
+    ref = ref.removeprefix("docker://")
+    name = ref.split("@", 1)[0]
+    host, _, rest = name.partition("/")
+    if not rest or ("." not in host and ":" not in host and host != "localhost"):
+        host, rest = "docker.io", name if "/" in name else f"library/{name}"
+    last = rest.rsplit("/", 1)[-1]
+    if ":" in last:
+        rest = rest[: len(rest) - len(last)] + last.split(":", 1)[0]
+    return host, rest
+
+
+class RemoteLayers:
+    """The node's RemoteLayers (see snapshotter.snapshotter): lazy and node-unpacked layers."""
+
+    def __init__(self, root: str, config: dict | None = None, fs: FSClient | None = None):
+        self.root = os.path.abspath(root)
+        self.config = config or {}
+        self.fs = fs or FSClient(self.root, self.config)
+        self.unpacked_dir = os.path.join(self.root, "unpacked")
+        os.makedirs(self.unpacked_dir, exist_ok=True)
+        os.makedirs(os.path.join(self.root, "layers"), exist_ok=True)
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    # --- the seam -------------------------------------------------------------------------
+
+    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> ProvidedLayer | None:
+        digest = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
+        image = labels.get(LABEL_IMAGE_REF) or labels.get(LABEL_CRI_IMAGE_REF)
+        if not digest or not image:
+            return None
+        check_digest(digest, "layer digest label")
+        registry, repository = parse_image_ref(image)
+        plain = labels.get(LABEL_PLAIN_HTTP) == "true" or registry in self.config.get("plain_http_hosts", []) or (
+            is_loopback_host(registry))
+        size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
+        blob = BlobRef(registry, repository, digest, size, plain)
+        desc = self._descriptor(blob, labels)
+        with self._lock_for(digest):
+            if location_from_annotations(desc.get("annotations")) is not None:
+                path = self._lazy(blob, desc, image)
+                kind = "lazy"
+            else:
+                path = self._unpacked(blob, desc, image)
+                kind = "unpacked"
+        log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
+        return ProvidedLayer(path, kind, digest, {LABEL_KIND: kind})
+
+    def release(self, path: str) -> None:
+        """The last snapshot using the layer at path was removed."""
+        layer_id = os.path.basename(path)
+        if path.startswith(self.fs.mnt + os.sep):
+            try:
+                self.fs.unload(layer_id)
+            except (OSError, ShoalError) as e:
+                log.warning("unloading layer %s: %s", layer_id, e)
+            shutil.rmtree(os.path.join(self.root, "layers", layer_id), ignore_errors=True)
+        elif path.startswith(self.unpacked_dir + os.sep):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def restore(self, path: str) -> None:
+        """At start: make sure a lazy layer recorded in metadata is served again."""
+        if path.startswith(self.fs.mnt + os.sep):
+            self.fs.ensure_running()
+            self.fs.load(os.path.basename(path))
+
+    def _lock_for(self, digest: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(digest, threading.Lock())
+
+    # --- the layer descriptor ----------------------------------------------------------------
+
+    def _descriptor(self, blob: BlobRef, labels: dict[str, str]) -> dict:
+        """The layer's descriptor: from shoal pull's labels, or the verified manifest."""
+        if LABEL_TOC_POSITION in labels and LABEL_TOC_DIGEST in labels:
+            ann = {
+                MANIFEST_POSITION: labels[LABEL_TOC_POSITION], MANIFEST_CHECKSUM: labels[LABEL_TOC_DIGEST],
+                OLD_MANIFEST_POSITION: labels[LABEL_TOC_POSITION], OLD_MANIFEST_CHECKSUM: labels[LABEL_TOC_DIGEST],
+            }
+            return {"digest": blob.digest, "size": blob.size, "annotations": ann,
+                    "mediaType": labels.get(LABEL_LAYER_MEDIA_TYPE, mt.OCI_LAYER_ZSTD)}
+        manifest_digest = labels.get(LABEL_CRI_MANIFEST_DIGEST)
+        if manifest_digest and labels.get(LABEL_LAYER_MEDIA_TYPE) is None:
+            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
+            try:
+                doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
+            finally:
+                source.close()
+            for layer in doc.get("layers") or []:
+                if isinstance(layer, dict) and layer.get("digest") == blob.digest:
+                    return layer
+            raise FormatError(f"{blob}: manifest {manifest_digest} does not list this layer")
+        return {"digest": blob.digest, "size": blob.size, "mediaType": labels.get(LABEL_LAYER_MEDIA_TYPE, "")}
+
+    # --- lazy layers -----------------------------------------------------------------------------
+
+    def _lazy(self, blob: BlobRef, desc: dict, image: str) -> str:
+        layer_id = hex_of(blob.digest)
+        d = os.path.join(self.root, "layers", layer_id)
+        if not os.path.exists(os.path.join(d, "toc.json")):
+            loc = location_from_annotations(desc.get("annotations"))
+            assert loc is not None
+            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
+            try:
+                compressed = source.read_range(blob.digest, loc.toc.offset, loc.toc.end)
+            finally:
+                source.close()
+            try:
+                toc_json = decompress_toc(compressed, loc.toc_digest, loc.toc.uncompressed)
+                parse_toc(toc_json, blob.size)  # refuse a bad TOC before anything is mounted
+            except ShoalError as e:
+                raise type(e)(f"{image}: layer {blob.digest}: {e}") from None
+            tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(self.root, "layers"))
+            with open(os.path.join(tmp, "toc.json"), "wb") as f:
+                f.write(toc_json)
+            meta = {"registry": blob.registry, "repository": blob.repository, "digest": blob.digest,
+                    "size": blob.size, "plain_http": blob.plain_http, "image": image}
+            with open(os.path.join(tmp, "blob.json"), "w") as f:
+                json.dump(meta, f)
+            try:
+                os.rename(tmp, d)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)  # another prepare got there first
+        self.fs.ensure_running()
+        return self.fs.load(layer_id)
+
+    # --- unpacked layers ---------------------------------------------------------------------------
+
+    def _unpacked(self, blob: BlobRef, desc: dict, image: str) -> str:
+        path = os.path.join(self.unpacked_dir, hex_of(blob.digest))
+        if os.path.isdir(path):
+            return path
+        compression = mt.LAYER_COMPRESSION.get(desc.get("mediaType") or "")
+        if compression is None:
+            raise FormatError(f"{image}: layer {blob.digest}: unsupported media type {desc.get('mediaType')!r}")
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=self.unpacked_dir)
+        try:
+            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
+            try:
+                with source.open_blob(blob.digest, blob.size) as stream:
+                    what = f"{image}: layer {blob.digest}"
+                    unpack(_Decompressing(stream, compression, what), tmp, what)  # type: ignore[arg-type]
+            finally:
+                source.close()
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path

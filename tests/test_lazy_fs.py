@@ -1,0 +1,227 @@
+"""Lazy layers through the real FUSE file system, from a real registry: an overlay of the
+lazy layers equals `tar -x` of the layers in order, bad bytes never reach a reader."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from builder.convert import convert
+from builder.oci.fromdir import ImageConfig, build_image
+from builder.oci.refs import open_source
+from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
+from shoal.errors import DigestMismatch
+from snapshotter import remote
+from snapshotter.remote import RemoteLayers
+from tests.rootfs import busybox_layer, delta_layer, python_layer
+from tests.services import start_registry
+
+pytestmark = [pytest.mark.registry]
+
+if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+    pytest.skip("needs root and /dev/fuse", allow_module_level=True)
+
+
+def layer_labels(image: str, layer: dict, toc_digest: str | None = None) -> dict:
+    ann = layer.get("annotations") or {}
+    labels = {
+        remote.LABEL_IMAGE_REF: image,
+        remote.LABEL_LAYER_DIGEST: layer["digest"],
+        remote.LABEL_LAYER_SIZE: str(layer["size"]),
+        remote.LABEL_LAYER_MEDIA_TYPE: layer["mediaType"],
+    }
+    if MANIFEST_POSITION in ann:
+        labels[remote.LABEL_TOC_POSITION] = ann[MANIFEST_POSITION]
+        labels[remote.LABEL_TOC_DIGEST] = toc_digest or ann[MANIFEST_CHECKSUM]
+    return labels
+
+
+@pytest.fixture(scope="module")
+def module_registry(tmp_path_factory):
+    registry = start_registry(tmp_path_factory.mktemp("registry"), None)
+    yield registry
+    registry.stop()
+
+
+@pytest.fixture(scope="module")
+def image(module_registry, tmp_path_factory):
+    """A real image (busybox, python3.11 + stdlib, a delta layer with whiteouts) in a registry,
+    gzip and converted."""
+    registry = module_registry
+    root = tmp_path_factory.mktemp("lazy image")
+    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
+    src = f"docker://{registry.host}/lazy/img:gzip"
+    build_image([str(p) for p in layers], src, ImageConfig(), plain_http=True, workdir=str(root))
+    dst = f"docker://{registry.host}/lazy/img:chunked"
+    convert(src, dst, plain_http=True)
+    with open_source(dst, plain_http=True) as s:
+        manifest = json.loads(s.get_root().data)
+    return registry, dst.removeprefix("docker://"), manifest, root
+
+
+@pytest.fixture
+def node(tmp_path):
+    layers = RemoteLayers(str(tmp_path / "node root"))
+    mounts: list[str] = []
+    yield layers, mounts
+    for m in reversed(mounts):
+        subprocess.run(["umount", m], check=False)
+    layers.fs.stop()
+    assert not os.path.ismount(layers.fs.mnt)
+
+
+def reference_rootfs(registry, image: str, manifest: dict, target: Path) -> None:
+    """`tar -x` of the layers in order, whiteouts applied by hand, with GNU tar."""
+    target.mkdir()
+    with open_source(f"docker://{image}", plain_http=True) as src:
+        for layer in manifest["layers"]:
+            blob = target.parent / "layer.zst"
+            with src.open_blob(layer["digest"], layer["size"]) as s, open(blob, "wb") as f:
+                shutil.copyfileobj(s, f)
+            tar_path = target.parent / "layer.tar"
+            subprocess.run(f"zstd -dc '{blob}' > '{tar_path}'", shell=True, check=True)
+            with tarfile.open(tar_path) as t:
+                names = [m.name for m in t.getmembers()]
+            for name in names:
+                base = os.path.basename(name.rstrip("/"))
+                parent = target / os.path.dirname(name.rstrip("/"))
+                if base == ".wh..wh..opq":
+                    for child in parent.iterdir() if parent.is_dir() else []:
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                elif base.startswith(".wh."):
+                    victim = parent / base[4:]
+                    if victim.is_dir() and not victim.is_symlink():
+                        shutil.rmtree(victim)
+                    elif victim.exists() or victim.is_symlink():
+                        victim.unlink()
+            subprocess.run(["tar", "-x", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-p",
+                            "--exclude=.wh.*", "-f", str(tar_path), "-C", str(target)], check=True)
+            os.unlink(blob)
+            os.unlink(tar_path)
+
+
+def describe_tree(root: Path) -> dict:
+    out = {}
+    inodes: dict[int, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            st = os.lstat(p)
+            item = {"mode": st.st_mode, "uid": st.st_uid, "gid": st.st_gid}
+            if stat.S_ISREG(st.st_mode):
+                item["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+                item["size"] = st.st_size
+                inodes.setdefault(st.st_ino, []).append(rel)
+            elif stat.S_ISLNK(st.st_mode):
+                item["target"] = os.readlink(p)
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                item["rdev"] = st.st_rdev
+            if not stat.S_ISLNK(st.st_mode):
+                item["xattrs"] = {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
+                item["mtime"] = int(st.st_mtime)
+            out[rel] = item
+    out["<hard links>"] = sorted(sorted(v) for v in inodes.values() if len(v) > 1)
+    return out
+
+
+def test_overlay_of_lazy_layers_equals_tar_x(image, node, tmp_path):
+    registry, ref, manifest, _ = image
+    layers, mounts = node
+    lowers = []
+    for layer in manifest["layers"]:
+        provided = layers.prepare("target", "", layer_labels(ref, layer))
+        assert provided.kind == "lazy"
+        lowers.append(provided.path)
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", "lowerdir=" + ":".join(reversed(lowers)),
+                    str(merged)], check=True)
+    mounts.append(str(merged))
+    expected = tmp_path / "expected"
+    reference_rootfs(registry, ref, manifest, expected)
+    got, want = describe_tree(merged), describe_tree(expected)
+    assert sorted(got) == sorted(want)
+    for path in want:
+        assert got[path] == want[path], path
+    # the layers really are special: a whiteout, an opaque dir, a hard link, a setuid file
+    assert not (merged / "data/-leading-dash").exists()
+    assert sorted(os.listdir(merged / "data/d0")) == ["new"]
+    assert (merged / "etc/motd").read_text() == "changed by the top layer\n"
+    assert os.stat(merged / "data/setuid").st_mode & stat.S_ISUID
+    assert (os.stat(merged / "data/with space.txt").st_uid, os.stat(merged / "data/with space.txt").st_gid) == (
+        1234, 5678)
+    # a program runs from the lazy layers
+    out = subprocess.run([str(merged / "usr/bin/python3.11"), "-c", "print(6*7)"], capture_output=True, text=True)
+    assert out.stdout == "42\n"
+
+
+def test_second_read_fetches_nothing_and_chunks_come_once(image, node):
+    registry, ref, manifest, _ = image
+    layers, _ = node
+    python = manifest["layers"][1]
+    path = Path(layers.prepare("t", "", layer_labels(ref, python)).path)
+    before = registry.count("GET", python["digest"])
+    data = (path / "usr/bin/python3.11").read_bytes()
+    mid = registry.count("GET", python["digest"])
+    assert mid[0] > before[0] and 0 < mid[1] - before[1] < python["size"]
+    assert (path / "usr/bin/python3.11").read_bytes() == data  # page cache / chunk cache
+    # a restarted file system server serves the layer again, from the node's chunk store
+    layers.fs.stop()
+    assert not os.path.ismount(layers.fs.mnt)
+    layers.restore(str(path))
+    assert (path / "usr/bin/python3.11").read_bytes() == data
+    assert registry.count("GET", python["digest"]) == mid
+    status = layers.fs.status()
+    assert status["store"]["store"]["hits"] > 0
+    assert "origin" not in status["store"]["sources"]
+
+
+def test_toc_digest_mismatch_refuses_the_layer(image, node):
+    _, ref, manifest, _ = image
+    layers, _ = node
+    with pytest.raises(DigestMismatch, match="TOC digest mismatch"):
+        layers.prepare("t", "", layer_labels(ref, manifest["layers"][1], toc_digest="sha256:" + "0" * 64))
+    assert os.listdir(os.path.join(layers.root, "layers")) == []
+
+
+def test_corrupted_chunk_at_the_registry_is_eio_with_a_log_line(image, node, tmp_path):
+    registry, ref, manifest, root = image
+    layers, _ = node
+    # a fresh copy of the image under another name, whose python layer we corrupt in the
+    # registry's storage: every byte the node gets is checked against the TOC digests
+    layer = manifest["layers"][1]
+    data_file = (registry.storage / "docker/registry/v2/blobs/sha256" / layer["digest"][7:9] / layer["digest"][7:]
+                 / "data")
+    original = data_file.read_bytes()
+    try:
+        path = Path(layers.prepare("t", "", layer_labels(ref, layer)).path)
+        from builder.inspect import read_toc
+
+        with open_source(f"docker://{ref}", plain_http=True) as src:
+            _, toc = read_toc(src, layer, "layer")
+        big = next(e for e in toc.files() if e.name.endswith("usr/bin/python3.11"))
+        chunk = big.chunks[1]
+        corrupted = bytearray(original)
+        corrupted[(chunk.start + chunk.end) // 2] ^= 0xFF
+        data_file.write_bytes(bytes(corrupted))
+        with open(path / "usr/bin/python3.11", "rb") as f:
+            f.seek(chunk.file_offset)
+            with pytest.raises(OSError) as err:
+                f.read(4096)
+        assert err.value.errno == errno.EIO
+        log = Path(layers.root, "logs", "fs.log").read_text()
+        line = next(line for line in log.splitlines() if "ERROR" in line and "usr/bin/python3.11" in line)
+        assert layer["digest"] in line and ("digest mismatch" in line or "cannot decompress" in line)
+        assert layers.fs.status()["layers"][0]["errors"] >= 1
+    finally:
+        data_file.write_bytes(original)
