@@ -13,8 +13,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
@@ -50,7 +51,7 @@ def cores() -> int:
 def run(cmd: Sequence[str | os.PathLike], **kwargs) -> subprocess.CompletedProcess:
     """Run a command; on failure, exit the benchmark with its stderr."""
     kwargs.setdefault("capture_output", True)
-    proc = subprocess.run([str(c) for c in cmd], **kwargs)
+    proc = subprocess.run([str(c) for c in cmd], check=False, **kwargs)
     if proc.returncode != 0:
         err = proc.stderr.decode(errors="replace") if isinstance(proc.stderr, bytes) else (proc.stderr or "")
         sys.exit(f"bench: {' '.join(map(str, cmd))} failed (exit {proc.returncode}): {err.strip()[-2000:]}")

@@ -34,10 +34,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 sys.path.insert(0, str(common.REPO))
-from builder.oci.fromdir import build_image  # noqa: E402
+from builder.oci.fromdir import build_image
 
 TORCH = "2.13.0"  # this exact version: its CPU wheel is on local disk (others pull GBs of CUDA)
 THROUGHPUT_TARGET = 0.8
@@ -249,8 +249,10 @@ def report(f: dict) -> str:
     mode = "quick" if f["quick"] else "full"
     lines = [
         f"convert benchmark ({mode}): {f['tree']}",
-        f"layer tar {tar / 1e6:,.1f} MB, {f['files']:,} files, {f['chunks']:,} chunks; {n} cores; "
-        f"median of {f['repeat']} run(s); zstd {f['zstd_version']}",
+        (
+            f"layer tar {tar / 1e6:,.1f} MB, {f['files']:,} files, {f['chunks']:,} chunks; {n} cores; "
+            f"median of {f['repeat']} run(s); zstd {f['zstd_version']}"
+        ),
         "",
         common.table(
             ["", "seconds", "MB/s", "output MB", f"speed vs zstd -3 -T{n}", "size vs zstd -3"], rows

@@ -44,6 +44,7 @@ import json
 import os
 import queue
 import struct
+import sys
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -569,12 +570,19 @@ class LayerWriter:
         self._window = max(16 << 20, 4 * self._cdc.max_size)
         self._progress = progress
 
-    def write(self, stream: BinaryIO, out: IO[bytes]) -> LayerResult:
+    def write(self, stream: BinaryIO, out: IO[bytes], diff_id: str | None = None) -> LayerResult:
+        """`diff_id`: the tar's digest when the caller already verifies the stream against
+        it (an uncompressed source blob), which saves hashing it twice."""
         opt = self.opt
         sink = _HashingWriter(out)
         hasher = _Hasher()
         tar_sha = hashlib.sha256()
-        reader = TarReader(stream, on_block=lambda block: hasher.update(tar_sha, block))
+        on_block = None if diff_id else (lambda block: hasher.update(tar_sha, block))
+        reader = TarReader(stream, on_block=on_block)
+        # Compression threads release the GIL in C; a short switch interval lets the
+        # parsing thread get it back quickly instead of waiting up to 5 ms each time.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.0005))
         split = tarsplit.TarSplitWriter()
         records: list[_FileRecord] = []
         seen: dict[str, str] = {}  # clean name -> type
@@ -588,10 +596,13 @@ class LayerWriter:
             while len(inflight) > keep:
                 fut, pieces = inflight.popleft()
                 fut.result()
+                offset = sink.count
                 for p in pieces:
-                    p.start = sink.count
-                    sink.write(p.frame)
-                    p.end = sink.count
+                    p.start = offset
+                    offset += len(p.frame)
+                    p.end = offset
+                sink.write(b"".join(p.frame for p in pieces))  # one write, one hash update
+                for p in pieces:
                     p.frame = b""
                     p.data = b""
 
@@ -644,6 +655,7 @@ class LayerWriter:
                 fut.cancel()
             pool.shutdown(wait=True)
             hasher.close()
+            sys.setswitchinterval(switch)
 
         split_data = split.getvalue()
         cctx = zstandard.ZstdCompressor(level=opt.level, write_content_size=True)
@@ -680,7 +692,7 @@ class LayerWriter:
         return LayerResult(
             digest="sha256:" + sink.sha.hexdigest(),
             size=sink.count,
-            diff_id="sha256:" + tar_sha.hexdigest(),
+            diff_id=diff_id or "sha256:" + tar_sha.hexdigest(),
             tar_size=reader.offset,
             annotations=annotations,
             files=sum(1 for r in records if r.entry.type == "reg"),
