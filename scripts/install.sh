@@ -12,6 +12,8 @@ APT_PACKAGES=(
   skopeo podman                     # zstd:chunked interop checks
   apache2-utils openssl             # htpasswd and token auth for the registry tests
   iproute2                          # network namespaces for swarm tests
+  debootstrap                       # the Debian base of the torch test/bench image
+  golang-go golang-github-containerd-containerd-dev  # containerd's snapshotter conformance suite (tests/conformance)
 )
 
 missing=()
@@ -37,7 +39,7 @@ stamp=.venv/.shoal-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "install: Python packages into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v -i -e warning -e '^ *$' -e '!!' -e wheel_obj >&2 || true
-  .venv/bin/python -c 'import builder, shoal.cli, zstandard, pyfastcdc, fastcrc' 
+  .venv/bin/python -m pip install -q -e '.[node,test]' 2>&1 | grep -v -i -e warning -e '^ *$' -e '!!' -e wheel_obj >&2 || true
+  .venv/bin/python -c 'import builder, shoal.cli, zstandard, pyfastcdc, fastcrc, pyfuse3, aiohttp, boto3, grpc'
   touch "$stamp"
 fi

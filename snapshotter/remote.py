@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
 
 from builder.convert import _Decompressing
 from builder.oci.refs import DockerRef
@@ -42,6 +41,7 @@ from shoal import mediatypes as mt
 from shoal.digest import check_digest, hex_of
 from shoal.errors import FormatError, ShoalError
 from snapshotter.fs.client import FSClient
+from snapshotter.snapshotter import RemoteLayer
 from snapshotter.unpack import unpack
 
 log = logging.getLogger("shoal.remote")
@@ -61,14 +61,6 @@ LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
 LABEL_PLAIN_HTTP = _P + "plain-http"
 LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
-
-
-@dataclass
-class ProvidedLayer:
-    path: str
-    kind: str  # "lazy" | "unpacked"
-    digest: str
-    labels: dict[str, str]
 
 
 def parse_image_ref(ref: str) -> tuple[str, str]:
@@ -99,7 +91,7 @@ class RemoteLayers:
 
     # --- the seam -------------------------------------------------------------------------
 
-    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> ProvidedLayer | None:
+    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> RemoteLayer | None:
         digest = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
         image = labels.get(LABEL_IMAGE_REF) or labels.get(LABEL_CRI_IMAGE_REF)
         if not digest or not image:
@@ -119,10 +111,11 @@ class RemoteLayers:
                 path = self._unpacked(blob, desc, image)
                 kind = "unpacked"
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
-        return ProvidedLayer(path, kind, digest, {LABEL_KIND: kind})
+        return RemoteLayer(path, kind, {LABEL_KIND: kind, LABEL_LAYER_DIGEST: digest})
 
-    def release(self, path: str) -> None:
-        """The last snapshot using the layer at path was removed."""
+    def release(self, layer: RemoteLayer) -> None:
+        """The last snapshot using the layer was removed: stop serving it, drop its files."""
+        path = layer.path
         layer_id = os.path.basename(path)
         if path.startswith(self.fs.mnt + os.sep):
             try:
@@ -133,7 +126,7 @@ class RemoteLayers:
         elif path.startswith(self.unpacked_dir + os.sep):
             shutil.rmtree(path, ignore_errors=True)
 
-    def restore(self, path: str) -> None:
+    def restore(self, path: str, labels: dict[str, str] | None = None) -> None:
         """At start: make sure a lazy layer recorded in metadata is served again."""
         if path.startswith(self.fs.mnt + os.sep):
             self.fs.ensure_running()

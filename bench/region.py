@@ -1,0 +1,247 @@
+"""The region cache serving one large blob in ranges to many clients at once, against the
+origin registry serving them directly (what every node does without a region cache).
+
+Set-up, all on this machine: Debian's docker-registry as the origin, one blob of 1 GiB
+(--quick: 100 MiB) of random bytes pushed to it, `shoal region` (disk backend, the
+default configuration) in front of it. Each of 16 client processes reads the whole blob
+in 1 MiB Range requests (each starting at its own offset, as nodes starting the same job
+read in different orders), all released at the same moment:
+
+1. origin: the clients read from the registry directly;
+2. region, cold: the clients read through the region cache with an empty store (every
+   request arrives while the blob is not cached: a client miss);
+3. region, warm: again, with the blob in the region's store.
+
+Figures: aggregate throughput (client bytes / wall time) of each, their ratios to the
+origin's, and origin requests: the number of blob GETs the origin saw per 100 client
+misses (without a region: 100).
+
+    .venv/bin/python bench/region.py [--quick] [--json] [--clients N] [--size-mb N] [--range-kb N]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, emit_json, parser, say, table
+from builder.oci.refs import DockerRef
+from builder.oci.registry import RegistryDestination
+from tests.services import free_port, start_registry, stop_process
+
+REPOSITORY = "bench/big-layer"
+
+
+# --- clients (separate processes) ----------------------------------------------------
+
+
+def _client(args) -> tuple[int, int, float]:
+    """Read the blob in ranges from host:port, starting at range `first`; checks a few
+    ranges against the source file. Returns (bytes, requests, seconds)."""
+    index, host, port, digest, size, range_size, blob_path, barrier = args
+    conn = http.client.HTTPConnection(host, port, timeout=300)
+    path = f"/v2/{REPOSITORY}/blobs/{digest}"
+    n = (size + range_size - 1) // range_size
+    order = [(index * n // 16 + i) % n for i in range(n)]
+    check = set(random.Random(index).sample(range(n), min(4, n)))
+    buf = bytearray(range_size)
+    got = 0
+    barrier.wait()
+    start = time.perf_counter()
+    with open(blob_path, "rb") as source:
+        for k in order:
+            a = k * range_size
+            b = min(size, a + range_size)
+            conn.request("GET", path, headers={"Range": f"bytes={a}-{b - 1}"})
+            resp = conn.getresponse()
+            if resp.status != 206:
+                raise RuntimeError(f"client {index}: HTTP {resp.status} for bytes {a}-{b - 1}: {resp.read(300)!r}")
+            view = memoryview(buf)[: b - a]
+            pos = 0
+            while pos < b - a:
+                r = resp.readinto(view[pos:])
+                if not r:
+                    raise RuntimeError(f"client {index}: short body at {a + pos}")
+                pos += r
+            resp.read()
+            if k in check and bytes(view) != os.pread(source.fileno(), b - a, a):
+                raise RuntimeError(f"client {index}: wrong bytes for range {a}-{b - 1}")
+            got += b - a
+    conn.close()
+    return got, n, time.perf_counter() - start
+
+
+def run_clients(host: str, port: int, digest: str, size: int, range_size: int, blob_path: str,
+                clients: int) -> dict:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(clients + 1)
+        with ctx.Pool(clients) as pool:
+            jobs = [(i, host, port, digest, size, range_size, blob_path, barrier) for i in range(clients)]
+            result = pool.map_async(_client, jobs)
+            barrier.wait()
+            start = time.perf_counter()
+            results = result.get(timeout=3600)
+            wall = time.perf_counter() - start
+    total = sum(r[0] for r in results)
+    return {"seconds": wall, "bytes": total, "requests": sum(r[1] for r in results),
+            "throughput_mb_s": total / wall / 1e6}
+
+
+# --- services ------------------------------------------------------------------------
+
+
+def make_blob(path: Path, size: int) -> str:
+    rnd = random.Random(1234)
+    h = hashlib.sha256()
+    with open(path, "wb") as fh:
+        left = size
+        while left:
+            block = rnd.randbytes(min(left, 64 << 20))
+            fh.write(block)
+            h.update(block)
+            left -= len(block)
+    return "sha256:" + h.hexdigest()
+
+
+def start_region(work: Path, origin_url: str) -> tuple[subprocess.Popen, int, Path]:
+    port = free_port()
+    log_path = work / "region.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(REPO / ".venv/bin/python"), "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
+             "--origin", origin_url, "--store", str(work / "region-store")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
+        )
+    line = proc.stdout.readline().decode()
+    if "serving" not in line:
+        stop_process(proc)
+        sys.exit(f"bench: shoal region did not start: {line}{log_path.read_text()[-2000:]}")
+    return proc, port, log_path
+
+
+def region_status(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/-/status")
+    data = json.loads(conn.getresponse().read())
+    conn.close()
+    return data
+
+
+def wait_idle(port: int, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while (status := region_status(port))["fills_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return status
+
+
+def main() -> int:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
+    p.add_argument("--size-mb", type=int, help="blob size in MiB (default 1024, --quick 100)")
+    p.add_argument("--range-kb", type=int, default=1024, help="bytes per Range request in KiB (default 1024)")
+    args = p.parse_args()
+    size = (args.size_mb or (100 if args.quick else 1024)) << 20
+    range_size = args.range_kb << 10
+    clients = args.clients
+
+    work = Path(tempfile.mkdtemp(prefix="shoal-bench-region-"))
+    registry = region = None
+    try:
+        say(f"making a {size >> 20} MiB blob")
+        blob_path = work / "blob"
+        digest = make_blob(blob_path, size)
+        (work / "registry").mkdir()
+        registry = start_registry(work / "registry", None)
+        dest = RegistryDestination(DockerRef(registry.host, REPOSITORY, tag="x"), plain_http=True)
+        dest.put_blob(str(blob_path), digest, size)
+        dest.close()
+        host, port = registry.host.split(":")
+
+        say(f"origin: {clients} clients x {size >> 20} MiB in {range_size >> 10} KiB ranges")
+        before = registry.count("GET", f"/blobs/{digest}")[0]
+        origin = run_clients(host, int(port), digest, size, range_size, str(blob_path), clients)
+        origin["origin_gets"] = registry.count("GET", f"/blobs/{digest}")[0] - before
+
+        region, rport, _ = start_region(work, registry.url)
+        say("region, cold (empty store)")
+        before_gets = registry.count("GET", f"/blobs/{digest}")[0]
+        before_all = len(registry.requests())
+        cold = run_clients("127.0.0.1", rport, digest, size, range_size, str(blob_path), clients)
+        status = wait_idle(rport)
+        time.sleep(0.5)  # the registry logs a request when it completes
+        cold["origin_gets"] = registry.count("GET", f"/blobs/{digest}")[0] - before_gets
+        cold["origin_requests_all"] = len(registry.requests()) - before_all
+        cold["client_misses"] = status["misses"]
+        cold["client_hits"] = status["hits"]
+        cold["coalesced"] = status["coalesced"]
+
+        say("region, warm (blob in the store)")
+        before_gets = registry.count("GET", f"/blobs/{digest}")[0]
+        warm = run_clients("127.0.0.1", rport, digest, size, range_size, str(blob_path), clients)
+        warm["origin_gets"] = registry.count("GET", f"/blobs/{digest}")[0] - before_gets
+        final = region_status(rport)
+    finally:
+        if region is not None:
+            region.send_signal(signal.SIGTERM)
+            try:
+                region.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                stop_process(region)
+            region.stdout.close()
+        if registry is not None:
+            registry.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    misses = max(1, cold["client_misses"])
+    figures = {
+        "blob_bytes": size, "clients": clients, "range_bytes": range_size, "cpus": os.cpu_count(),
+        "origin_throughput_mb_s": round(origin["throughput_mb_s"], 1),
+        "region_cold_throughput_mb_s": round(cold["throughput_mb_s"], 1),
+        "region_warm_throughput_mb_s": round(warm["throughput_mb_s"], 1),
+        "throughput_ratio_vs_origin": round(warm["throughput_mb_s"] / origin["throughput_mb_s"], 3),
+        "cold_throughput_ratio_vs_origin": round(cold["throughput_mb_s"] / origin["throughput_mb_s"], 3),
+        "origin_requests_per_100_misses": round(100 * cold["origin_gets"] / misses, 3),
+        "origin_requests_per_100_misses_without_region": 100.0,
+        "origin_blob_gets": {"origin": origin["origin_gets"], "region_cold": cold["origin_gets"],
+                             "region_warm": warm["origin_gets"]},
+        "origin_requests_all_cold": cold["origin_requests_all"],
+        "client_requests_per_phase": cold["requests"],
+        "cold_client_misses": cold["client_misses"], "cold_client_hits": cold["client_hits"],
+        "cold_coalesced": cold["coalesced"],
+        "origin_bytes_cold": final["origin_bytes"],
+    }
+    if args.json:
+        emit_json(figures)
+        return 0
+    rows = [
+        ["origin registry, direct", f"{origin['seconds']:.2f}", f"{origin['throughput_mb_s']:,.0f}", "1.00",
+         origin["origin_gets"]],
+        ["region cache, cold", f"{cold['seconds']:.2f}", f"{cold['throughput_mb_s']:,.0f}",
+         f"{figures['cold_throughput_ratio_vs_origin']:.2f}", cold["origin_gets"]],
+        ["region cache, warm", f"{warm['seconds']:.2f}", f"{warm['throughput_mb_s']:,.0f}",
+         f"{figures['throughput_ratio_vs_origin']:.2f}", warm["origin_gets"]],
+    ]
+    print(f"{clients} clients reading a {size >> 20} MiB blob in {range_size >> 10} KiB ranges "
+          f"({cold['requests']} requests per run, {os.cpu_count()} CPUs)")
+    print(table(["served by", "seconds", "MB/s", "vs origin", "origin blob GETs"], rows))
+    print(f"origin requests per 100 client misses: {figures['origin_requests_per_100_misses']} with the region "
+          f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,679 @@
+"""The region cache server: registry blob API in front of an origin registry.
+
+HTTP API (what nodes and containerd, as a hosts.toml mirror, talk to):
+
+- `GET /v2/<name>/blobs/<digest>` and `HEAD`: the blob, whole (200) or one byte range
+  (`Range: bytes=a-b`, `bytes=a-`, `bytes=-n` -> 206 with Content-Range). A range that
+  starts past the end is 416; an unparsable or multi-range header is ignored (200, as
+  HTTP allows). `?ns=HOST` (containerd's mirror parameter) must name the origin, else 404.
+- Other `GET`/`HEAD /v2/...` (the `/v2/` ping, manifests, tags): passed through to the
+  origin with the client's credentials, not cached, so that a mirror with the `resolve`
+  capability works and clients see the origin's auth challenges. Other methods: 405.
+- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy`: 200.
+
+Blob requests, in order:
+1. Access: unless `auth.check` is off, the client's credentials must be allowed for the
+   repository (a HEAD of the blob at the origin with them, remembered per (credentials
+   hash, repository) for `auth.ttl` seconds, refusals for `auth.negative_ttl`), and the
+   blob must belong to the repository at the origin (remembered per (repository,
+   digest)). So a cached private blob is served only to a client that the origin would
+   have served, and never under a repository it does not belong to. When the origin
+   cannot be asked and nothing is remembered, the answer is 503 (fail closed).
+2. Hit: the backend has the blob; it is streamed from there.
+3. Miss: one fill per digest fetches the whole blob from the origin (with the first
+   client's credentials) into a staging file while every client of that blob, however
+   many, reads its range from the staging file as the bytes arrive (coalescing). The
+   whole blob is checked against its digest before it is committed to the backend:
+   nothing unverified is cached. A client whose range includes the blob's last byte
+   gets that byte only after the check, and a small response (under one block) starts
+   only then, so a bad blob is a clean 502 for it; a client already streaming when the
+   check fails has its connection cut (a short body, never a complete bad one).
+
+Blocking work (files, boto3, hashing) runs in a thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
+from cache.region.config import RegionConfig
+from cache.region.upstream import Upstream, credentials_key, error_text
+from shoal.digest import is_digest
+
+log = logging.getLogger("shoal.region")
+
+# distribution/reference repository grammar
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_NAME_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_MAX_REMEMBERED = 100_000
+_PASS_HEADERS = (
+    "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
+    "WWW-Authenticate", "Etag", "Link", "Last-Modified",
+)
+
+
+class HTTPFailure(Exception):
+    """An error answer: status, registry error code, one-line message, extra headers."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+
+    def response(self, method: str = "GET") -> web.Response:
+        body = b"" if method == "HEAD" else json.dumps(
+            {"errors": [{"code": self.code, "message": self.message}]}).encode()
+        resp = web.Response(status=self.status, body=body, headers=self.headers,
+                            content_type="application/json")
+        return resp
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """[start, end) of a single `bytes=` range in a blob of `size` bytes, or None for the
+    whole blob (no header, or one this server ignores). HTTPFailure 416 if unsatisfiable."""
+    if not header:
+        return None
+    m = _RANGE_RE.match(header.strip().replace(" ", ""))
+    if not m or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    unsatisfiable = HTTPFailure(416, "RANGE_INVALID", f"range {header!r} is outside the blob's {size} bytes",
+                                {"Content-Range": f"bytes */{size}"})
+    if not first:  # suffix: the last n bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise unsatisfiable
+        return max(0, size - n), size
+    start = int(first)
+    if last and int(last) < start:
+        return None  # invalid: ignored (RFC 9110 14.2)
+    if start >= size:
+        raise unsatisfiable
+    end = size if not last else min(int(last) + 1, size)
+    return start, end
+
+
+@dataclass
+class _Remembered:
+    expires: float
+    allowed: bool
+    status: int = 200
+    challenge: str = ""
+    message: str = ""
+
+
+class AccessCache:
+    """Which credentials may read which repository, and which blobs belong to which
+    repository, as the origin answered recently (see the module doc, step 1)."""
+
+    def __init__(self, upstream: Upstream, ttl: float, negative_ttl: float, stats: dict) -> None:
+        self._upstream, self._ttl, self._negative_ttl, self._stats = upstream, ttl, negative_ttl, stats
+        self._access: dict[tuple[str, str], _Remembered] = {}
+        self._links: dict[tuple[str, str], tuple[float, int]] = {}
+        self._inflight: dict[tuple[str, str, str], asyncio.Future] = {}
+
+    async def check(self, repo: str, digest: str, authorization: str | None) -> int | None:
+        """The blob's size if the origin told it; raises HTTPFailure when refused."""
+        key = (credentials_key(authorization), repo)
+        now = time.monotonic()
+        seen = self._access.get(key)
+        if seen is not None and seen.expires > now:
+            if not seen.allowed:
+                self._stats["denied"] += 1
+                raise self._refusal(seen)
+            link = self._links.get((repo, digest))
+            if link is not None and link[0] > now:
+                self._stats["auth_cache_hits"] += 1
+                return link[1]
+        flight = (key[0], repo, digest)
+        fut = self._inflight.get(flight)
+        if fut is None:
+            fut = asyncio.ensure_future(self._ask_origin(key, repo, digest, authorization))
+            self._inflight[flight] = fut
+            fut.add_done_callback(lambda _: self._inflight.pop(flight, None))
+        else:
+            self._stats["auth_coalesced"] += 1
+        return await asyncio.shield(fut)
+
+    async def _ask_origin(self, key: tuple[str, str], repo: str, digest: str, authorization: str | None) -> int | None:
+        self._stats["auth_checks"] += 1
+        try:
+            resp = await self._upstream.request("HEAD", f"/v2/{repo}/blobs/{digest}", authorization, repo)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise HTTPFailure(503, "UNAVAILABLE",
+                              f"cannot check access at the origin {self._upstream.host}: {_describe(exc)}") from None
+        async with resp:
+            status = resp.status
+            length = resp.headers.get("Content-Length", "")
+            challenge = resp.headers.get("WWW-Authenticate", "")
+        self._forget_old()
+        now = time.monotonic()
+        if status in (401, 403):
+            seen = _Remembered(now + self._negative_ttl, False, status, challenge,
+                               f"the origin refuses these credentials for {repo} (HTTP {status})")
+            self._access[key] = seen
+            self._stats["denied"] += 1
+            raise self._refusal(seen)
+        if status == 404:
+            self._access[key] = _Remembered(now + self._ttl, True)
+            raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repo} at the origin")
+        if status != 200:
+            raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered HTTP {status} for {repo}@{digest}")
+        size = int(length) if length.isdigit() else None
+        self._access[key] = _Remembered(now + self._ttl, True)
+        self._links[(repo, digest)] = (now + self._ttl, size)
+        return size
+
+    @staticmethod
+    def _refusal(seen: _Remembered) -> HTTPFailure:
+        headers = {"WWW-Authenticate": seen.challenge} if seen.challenge else {}
+        code = "UNAUTHORIZED" if seen.status == 401 else "DENIED"
+        return HTTPFailure(seen.status, code, seen.message, headers)
+
+    def _forget_old(self) -> None:
+        if len(self._access) + len(self._links) < _MAX_REMEMBERED:
+            return
+        now = time.monotonic()
+        self._access = {k: v for k, v in self._access.items() if v.expires > now}
+        self._links = {k: v for k, v in self._links.items() if v[0] > now}
+
+
+@dataclass
+class Fill:
+    """One blob being fetched from the origin into a staging file (see module doc, 3)."""
+
+    digest: str
+    repo: str
+    path: str
+    fd: int = -1
+    size: int | None = None
+    written: int = 0
+    verified: bool = False
+    done: bool = False
+    error: HTTPFailure | None = None
+    readers: int = 0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def available(self) -> int:
+        """Bytes that may be served: all once verified, else all but the last byte."""
+        if self.verified:
+            return self.size or 0
+        return min(self.written, (self.size or 0) - 1)
+
+    def notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def wait_until(self, condition) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def release_reader(self) -> None:
+        self.readers -= 1
+        self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        if self.done and self.readers <= 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RegionCache:
+    """The region cache service for one origin and one backend."""
+
+    def __init__(self, config: RegionConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.upstream = Upstream(config.origin, timeout=config.origin_timeout,
+                                 verify_tls=config.origin_verify_tls)
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="region-io")
+        self._block = config.block_size
+        self._fills: dict[str, Fill] = {}
+        self._commits = 0  # fills committed so far
+        self._fill_tasks: set[asyncio.Task] = set()
+        self.stats: dict[str, int] = dict.fromkeys((
+            "requests", "hits", "misses", "coalesced", "fills", "fills_committed", "fills_failed",
+            "origin_bytes", "bytes_served", "auth_checks", "auth_cache_hits", "auth_coalesced",
+            "denied", "not_found", "errors", "aborted", "proxied",
+        ), 0)
+        self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
+        self.app = self._make_app()
+
+    # --- the application ------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_route("GET", "/-/status", self._status)
+        app.router.add_route("GET", "/-/healthy", self._healthy)
+        app.router.add_route("*", r"/v2/{name:.+}/blobs/{digest:[^/]+}", self._blob)
+        app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.upstream.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        for task in list(self._fill_tasks):
+            task.cancel()
+        if self._fill_tasks:
+            await asyncio.gather(*self._fill_tasks, return_exceptions=True)
+        await self.upstream.close()
+        await self._run(self.backend.close)
+        self._pool.shutdown(wait=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def statistics(self) -> dict:
+        out = dict(self.stats)
+        out["origin_requests"] = self.upstream.requests
+        out["fills_running"] = len(self._fills)
+        out["fill_readers"] = sum(f.readers for f in self._fills.values())
+        return out
+
+    async def _status(self, request: web.Request) -> web.Response:
+        try:
+            backend = await self._run(self.backend.statistics)
+        except BackendError as exc:
+            backend = {"error": str(exc)}
+        return web.json_response({"origin": self.upstream.url, **self.statistics(), "backend": backend})
+
+    async def _healthy(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    # --- blobs ------------------------------------------------------------------------
+
+    async def _blob(self, request: web.Request) -> web.StreamResponse:
+        start_time = time.monotonic()
+        name, digest = request.match_info["name"], request.match_info["digest"]
+        self.stats["requests"] += 1
+        note = {"how": "-", "bytes": 0, "range": request.headers.get("Range", "")}
+        status = 500
+        try:
+            resp = await self._serve_blob(request, name, digest, note)
+            status = resp.status
+            return resp
+        except HTTPFailure as failure:
+            status = failure.status
+            if failure.status >= 500:
+                self.stats["errors"] += 1
+                log.warning("%s %s %s@%s: %s", request.remote, request.method, name, digest, failure.message)
+            elif failure.status == 404:
+                self.stats["not_found"] += 1
+            return failure.response(request.method)
+        except (ConnectionError, asyncio.CancelledError):
+            status = 499  # (in the log only) the client went away; a fill goes on without it
+            raise
+        finally:
+            log.info(
+                "%s %s %s@%s%s -> %d %s %d bytes %.1f ms", request.remote, request.method, name, digest,
+                f" [{note['range']}]" if note["range"] else "", status, note["how"], note["bytes"],
+                (time.monotonic() - start_time) * 1000,
+            )
+
+    async def _serve_blob(self, request: web.Request, name: str, digest: str, note: dict) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            raise HTTPFailure(405, "UNSUPPORTED", "the region cache is read-only (GET and HEAD only)",
+                              {"Allow": "GET, HEAD"})
+        if not _NAME_RE.match(name) or len(name) > 255:
+            raise HTTPFailure(400, "NAME_INVALID", f"invalid repository name {name!r}")
+        if not is_digest(digest):
+            raise HTTPFailure(400, "DIGEST_INVALID", f"invalid digest {digest[:100]!r} (want sha256:<64 hex>)")
+        ns = request.query.get("ns")
+        if ns and not self.upstream.serves(ns):
+            raise HTTPFailure(404, "BLOB_UNKNOWN", f"this region cache serves {self.upstream.host}, not {ns}")
+        authorization = request.headers.get("Authorization")
+        size = None
+        if self.config.auth.check:
+            size = await self.access.check(name, digest, authorization)
+
+        # a hit (looked up again if a fill committed while we looked, so that a blob
+        # committed just then is not fetched a second time)
+        for _ in range(2):
+            commits = self._commits
+            if digest not in self._fills:
+                resp = await self._serve_stored(request, digest, note)
+                if resp is not None:
+                    self.stats["hits"] += 1
+                    return resp
+            if digest in self._fills or commits == self._commits:
+                break
+
+        if request.method == "HEAD":
+            if size is None:
+                size = await self._origin_size(name, digest, authorization)
+            note["how"] = "origin-head"
+            return web.Response(status=200, headers=_blob_headers(digest, size))
+
+        # a miss: join or start the fill
+        fill = self._fills.get(digest)
+        if fill is None:
+            fill = self._start_fill(name, digest, authorization)
+            note["how"] = "miss"
+        else:
+            self.stats["coalesced"] += 1
+            note["how"] = "coalesced"
+        self.stats["misses"] += 1
+        return await self._serve_fill(request, fill, note)
+
+    async def _origin_size(self, name: str, digest: str, authorization: str | None) -> int:
+        try:
+            resp = await self.upstream.request("HEAD", f"/v2/{name}/blobs/{digest}", authorization, name)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise HTTPFailure(503, "UNAVAILABLE", f"origin {self.upstream.host}: {_describe(exc)}") from None
+        async with resp:
+            if resp.status == 404:
+                raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name} at the origin")
+            if resp.status in (401, 403):
+                hdr = resp.headers.get("WWW-Authenticate")
+                raise HTTPFailure(resp.status, "UNAUTHORIZED", f"the origin refuses access to {name}",
+                                  {"WWW-Authenticate": hdr} if hdr else None)
+            length = resp.headers.get("Content-Length", "")
+            if resp.status != 200 or not length.isdigit():
+                raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered HTTP {resp.status} for {name}@{digest}")
+            return int(length)
+
+    def _open_stored(self, digest: str, range_header: str | None, head: bool):
+        """In a worker thread: size, range, stream and first block of a stored blob in
+        one step (one thread hop for a typical chunk-sized range); None if not stored."""
+        try:
+            size = self.backend.size(digest)
+            span = parse_range(range_header, size)
+            if head:
+                return size, span, None, None
+            start, end = span or (0, size)
+            stream = self.backend.stream(digest, start, end, self._block)
+        except BlobNotFound:
+            return None
+        except InvalidRange as exc:  # the stored blob changed size under us
+            raise HTTPFailure(416, "RANGE_INVALID", str(exc)) from None
+        except BackendError as exc:
+            log.warning("%s: %s; fetching from the origin instead", digest, exc)
+            return None
+        try:
+            first = next(stream, None)
+        except BackendError as exc:
+            stream.close()
+            log.warning("%s: %s; fetching from the origin instead", digest, exc)
+            return None
+        return size, span, stream, first
+
+    async def _serve_stored(self, request: web.Request, digest: str, note: dict) -> web.StreamResponse | None:
+        """The response for a blob in the backend, or None if it is not there."""
+        opened = await self._run(self._open_stored, digest, request.headers.get("Range"), request.method == "HEAD")
+        if opened is None:
+            return None
+        size, span, stream, data = opened
+        note["how"] = "hit"
+        if stream is None:  # HEAD
+            return web.Response(status=200, headers=_blob_headers(digest, size))
+        start, end = span or (0, size)
+        resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(digest, size, span))
+        resp.content_length = end - start
+        try:
+            await resp.prepare(request)
+            while data is not None:
+                await resp.write(data)
+                note["bytes"] += len(data)
+                self.stats["bytes_served"] += len(data)
+                try:
+                    data = await self._run(next, stream, None)
+                except BackendError as exc:
+                    log.warning("%s: %s; cutting the response to %s", digest, exc, request.remote)
+                    self.stats["aborted"] += 1
+                    _abort(request)
+                    return resp
+            await resp.write_eof()
+        finally:
+            if note["bytes"] < end - start:  # not exhausted (an exhausted stream closed itself)
+                await self._run(stream.close)
+        return resp
+
+    def _start_fill(self, name: str, digest: str, authorization: str | None) -> Fill:
+        fill = Fill(digest=digest, repo=name, path=self.backend.temp_path())
+        self._fills[digest] = fill
+        self.stats["fills"] += 1
+        task = asyncio.ensure_future(self._run_fill(fill, authorization))
+        self._fill_tasks.add(task)
+        task.add_done_callback(self._fill_tasks.discard)
+        return fill
+
+    async def _run_fill(self, fill: Fill, authorization: str | None) -> None:
+        """Fetch the blob from the origin into fill.path, verify it, commit it."""
+        digest, name = fill.digest, fill.repo
+        committed = False
+        try:
+            fill.fd = await self._run(_open_staging, fill.path)
+            try:
+                resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {_describe(exc)}") from None
+            async with resp:
+                if resp.status != 200:
+                    text = await error_text(resp)
+                    if resp.status == 404:
+                        raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name} at the origin")
+                    raise HTTPFailure(502, "ORIGIN_ERROR",
+                                      f"origin answered HTTP {resp.status} for {name}@{digest}: {text}")
+                if resp.content_length is None:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sent {name}@{digest} without a Content-Length")
+                fill.size = resp.content_length
+                fill.notify()
+                hasher = hashlib.sha256()
+                buf = bytearray()
+                try:
+                    async for piece in resp.content.iter_chunked(self._block):
+                        buf += piece
+                        if len(buf) >= self._block:
+                            await self._append(fill, hasher, bytes(buf))
+                            buf.clear()
+                    if buf:
+                        await self._append(fill, hasher, bytes(buf))
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise HTTPFailure(502, "ORIGIN_ERROR",
+                                      f"origin connection lost after {fill.written} of {fill.size} bytes of "
+                                      f"{name}@{digest}: {_describe(exc)}") from None
+            if fill.written != fill.size:
+                raise HTTPFailure(502, "ORIGIN_ERROR",
+                                  f"origin sent {fill.written} bytes of {name}@{digest}, announced {fill.size}")
+            got = "sha256:" + hasher.hexdigest()
+            if got != digest:
+                raise HTTPFailure(502, "BLOB_DIGEST_MISMATCH",
+                                  f"origin served bytes for {name}@{digest} that hash to {got}; not cached")
+            fill.verified = True
+            fill.notify()
+            try:
+                committed = await self._run(self.backend.put_file, digest, fill.path)
+            except BackendError as exc:
+                log.warning("%s: not cached: %s", digest, exc)
+            if committed:
+                self._commits += 1
+                self.stats["fills_committed"] += 1
+                log.info("cached %s@%s (%d bytes) from the origin", name, digest, fill.size)
+            else:
+                log.warning("%s@%s (%d bytes) served but not cached: no room in the backend",
+                            name, digest, fill.size)
+        except HTTPFailure as failure:
+            fill.error = failure
+            self.stats["fills_failed"] += 1
+            log.warning("fill of %s@%s failed: %s", name, digest, failure.message)
+        except asyncio.CancelledError:
+            fill.error = HTTPFailure(503, "UNAVAILABLE", "the region cache is shutting down")
+            raise
+        except Exception as exc:  # a bug or a local I/O failure: fail this fill only
+            fill.error = HTTPFailure(500, "INTERNAL", f"fill of {name}@{digest} failed: {exc}")
+            self.stats["fills_failed"] += 1
+            log.exception("fill of %s@%s failed", name, digest)
+        finally:
+            self._fills.pop(digest, None)
+            fill.done = True
+            fill.notify()
+            fill._close_if_unused()
+            if not committed:
+                await asyncio.shield(self._run(_unlink, fill.path))  # readers keep the open descriptor
+
+    async def _append(self, fill: Fill, hasher, data: bytes) -> None:
+        await self._run(_write_at, fill.fd, data, fill.written, hasher)
+        fill.written += len(data)
+        self.stats["origin_bytes"] += len(data)
+        fill.notify()
+
+    async def _serve_fill(self, request: web.Request, fill: Fill, note: dict) -> web.StreamResponse:
+        fill.readers += 1
+        try:
+            await fill.wait_until(lambda: fill.size is not None or fill.error is not None)
+            if fill.error is not None:
+                raise fill.error
+            size = fill.size
+            span = parse_range(request.headers.get("Range"), size)
+            start, end = span or (0, size)
+            first = min(end, start + self._block)
+            # the response starts with a first block in hand, or (small ranges, ranges
+            # that end the blob) only after the blob is verified
+            await fill.wait_until(lambda: fill.error is not None or fill.verified or fill.available() >= first)
+            if fill.error is not None:
+                raise fill.error
+            resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(fill.digest, size, span))
+            resp.content_length = end - start
+            await resp.prepare(request)
+            pos = start
+            while pos < end:
+                await fill.wait_until(lambda pos=pos: fill.error is not None or fill.available() > pos)
+                if fill.error is not None:
+                    log.warning("%s: cutting the response to %s after %d bytes: %s",
+                                fill.digest, request.remote, pos - start, fill.error.message)
+                    self.stats["aborted"] += 1
+                    _abort(request)
+                    return resp
+                n = min(self._block, fill.available() - pos, end - pos)
+                data = await self._run(os.pread, fill.fd, n, pos)
+                if len(data) != n:
+                    raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
+                await resp.write(data)
+                pos += n
+                note["bytes"] += n
+                self.stats["bytes_served"] += n
+            await resp.write_eof()
+            return resp
+        finally:
+            fill.release_reader()
+
+    # --- everything else under /v2/ -----------------------------------------------------
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return HTTPFailure(405, "UNSUPPORTED", "the region cache is read-only (GET and HEAD only)",
+                               {"Allow": "GET, HEAD"}).response(request.method)
+        ns = request.query.get("ns")
+        if ns and not self.upstream.serves(ns):
+            return HTTPFailure(404, "NAME_UNKNOWN", f"this region cache serves {self.upstream.host}, not {ns}").response(
+                request.method)
+        self.stats["proxied"] += 1
+        query = [(k, v) for k, v in request.query.items() if k != "ns"]
+        path = request.path + ("?" + "&".join(f"{k}={v}" for k, v in query) if query else "")
+        m = re.match(r"^/v2/(.+)/(manifests|tags)/", request.path)
+        repo = m.group(1) if m else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("accept", "if-none-match")}
+        try:
+            upstream = await self.upstream.request(request.method, path, request.headers.get("Authorization"),
+                                                   repo, headers)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {_describe(exc)}").response(
+                request.method)
+        async with upstream:
+            out = {k: upstream.headers[k] for k in _PASS_HEADERS if k in upstream.headers}
+            resp = web.StreamResponse(status=upstream.status, headers=out)
+            await resp.prepare(request)
+            if request.method == "GET":
+                async for piece in upstream.content.iter_chunked(64 << 10):
+                    await resp.write(piece)
+            await resp.write_eof()
+        log.info("%s %s %s -> %d (origin)", request.remote, request.method, request.path, upstream.status)
+        return resp
+
+
+def _blob_headers(digest: str, size: int, span: tuple[int, int] | None = None) -> dict[str, str]:
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Docker-Content-Digest": digest,
+        "Docker-Distribution-Api-Version": "registry/2.0",
+        "Accept-Ranges": "bytes",
+        "Etag": f'"{digest}"',
+        "Content-Length": str(size),
+    }
+    if span is not None:
+        headers["Content-Range"] = f"bytes {span[0]}-{span[1] - 1}/{size}"
+        headers["Content-Length"] = str(span[1] - span[0])
+    return headers
+
+
+def _open_staging(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _write_at(fd: int, data: bytes, offset: int, hasher) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+    hasher.update(data)
+
+
+def _abort(request: web.Request) -> None:
+    """Cut the connection: the client sees a short body, never a complete bad one."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    return str(exc) or type(exc).__name__
+
+
+@dataclass
+class RunningServer:
+    """A started region cache: `port` is the bound port, `cache` the RegionCache."""
+
+    runner: web.AppRunner
+    port: int
+    cache: RegionCache
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(config: RegionConfig, backend: Backend, host: str, port: int) -> RunningServer:
+    """Start serving on host:port (0: any free port). The backend is closed on stop()."""
+    cache = RegionCache(config, backend)
+    runner = web.AppRunner(cache.app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return RunningServer(runner, runner.addresses[0][1], cache)

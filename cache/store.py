@@ -1,0 +1,152 @@
+"""The node's chunk store: verified chunk contents by digest, size-bounded, crash-safe.
+
+Vocabulary: a *chunk* is the uncompressed content of one TOC chunk, named by its digest
+"sha256:<hex>" (the TOC's chunk digest), so the same bytes in two layers or two images
+are stored once, and the store can check what it holds.
+
+Contract:
+- get(digest) returns the chunk's bytes, verified against the digest, or None. A stored
+  file whose bytes do not match (a disk error, a power loss without fsync) is deleted
+  and counted as `corrupt` (and as a miss): nothing unverified leaves the store.
+- put(digest, data) checks sha256(data) == digest first (DigestMismatch otherwise),
+  then stores atomically (temp file, rename); idempotent. Returns False when the chunk
+  cannot be stored without exceeding the capacity (larger than the capacity, or all
+  else pinned or being read): the caller still has the bytes, only the caching is lost.
+- The stored bytes never exceed `capacity` (bytes of chunk content, not disk blocks),
+  with concurrent writers in threads or processes; LRU eviction makes room.
+- pin(digests) keeps chunks (present or future) from eviction until unpinned; so do
+  running get()s. Pins are per process.
+- A kill -9 at any moment leaves no partly written chunk under its name; the next open
+  repairs the index (see cache/content.py). The index survives restarts.
+- statistics() counts since this object was opened (hits, misses, ...) and reads the
+  current size from the index (all processes).
+
+Thread-safe. Several processes may open the same root (see cache/content.py for what
+that guarantees); a node runs one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Iterable
+from typing import Self
+
+from cache.content import ContentDir
+from shoal.digest import check_digest
+from shoal.errors import DigestMismatch
+
+
+class Pin:
+    """Returned by ChunkStore.pin(): already in effect; leaving a `with` block unpins."""
+
+    def __init__(self, store: ChunkStore, digests: list[str]) -> None:
+        self._store, self.digests, self._active = store, digests, True
+
+    def release(self) -> None:
+        if self._active:
+            self._active = False
+            self._store.unpin(self.digests)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ChunkStore:
+    """Node-local chunk store under `root` (see the module contract).
+
+    capacity: bytes, or None for the recorded capacity (first start: 20% of the free
+    space at `root`). fsync: also survive power loss without losing recent chunks
+    (corrupt chunks are caught by verification either way).
+    """
+
+    def __init__(self, root: str | os.PathLike, capacity: int | None = None, *, fsync: bool = False) -> None:
+        self._dir = ContentDir(root, capacity, fsync=fsync)
+        self.root = self._dir.root
+        self._lock = threading.Lock()
+        self._counts = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "corrupt": 0}
+
+    @property
+    def capacity(self) -> int:
+        return self._dir.capacity
+
+    def set_capacity(self, capacity: int) -> None:
+        self._dir.set_capacity(capacity)
+
+    def _count(self, **delta: int) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                self._counts[k] += v
+
+    def get(self, digest: str) -> bytes | None:
+        check_digest(digest)
+        path = self._dir.path(digest)
+        with self._dir.reading(digest):
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            except FileNotFoundError:
+                self._count(misses=1)
+                return None
+            if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+                self._count(misses=1, corrupt=1)
+                self._dir.remove(digest)
+                return None
+        self._dir.touch(digest)
+        self._count(hits=1, bytes_read=len(data))
+        return data
+
+    def put(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
+        check_digest(digest)
+        got = "sha256:" + hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise DigestMismatch(f"chunk {digest}: bytes hash to {got}; not stored")
+        if self._dir.exists(digest):
+            self._dir.touch(digest)
+            return True
+        stored = self._dir.commit(digest, self._dir.write_temp(data), len(data))
+        if stored:
+            self._count(bytes_written=len(data))
+        return stored
+
+    def contains(self, digest: str) -> bool:
+        """A file for `digest` is there (unverified: get() may still find it corrupt)."""
+        return self._dir.exists(check_digest(digest))
+
+    def pin(self, digests: Iterable[str]) -> Pin:
+        digests = [check_digest(d) for d in digests]
+        self._dir.pin(digests)
+        return Pin(self, digests)
+
+    def unpin(self, digests: Iterable[str]) -> None:
+        self._dir.unpin(digests)
+
+    def remove(self, digest: str) -> bool:
+        return self._dir.remove(check_digest(digest))
+
+    def statistics(self) -> dict:
+        size, chunks = self._dir.usage()
+        with self._lock:
+            out = dict(self._counts)
+        out.update(
+            evictions=self._dir.counters["evictions"], rejected=self._dir.counters["rejected"],
+            size_bytes=size, capacity_bytes=self._dir.capacity, chunks=chunks,
+        )
+        return out
+
+    def check(self) -> dict:
+        """Index against files (no bytes read); see ContentDir.check()."""
+        return self._dir.check()
+
+    def close(self) -> None:
+        self._dir.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

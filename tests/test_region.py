@@ -1,0 +1,478 @@
+"""The region cache against real components: the aiohttp server on 127.0.0.1:0, Debian's
+docker-registry as the origin (anonymous, htpasswd, token auth), moto's S3 server for
+the S3 backend, and `shoal region` as a real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp", reason="aiohttp is needed for the region cache (shoal[node])")
+import requests
+
+from builder.oci.refs import DockerRef
+from builder.oci.registry import RegistryDestination
+from cache.region import backends
+from cache.region.client import RegionSource
+from cache.region.config import AuthConfig, RegionConfig
+from cache.region.server import parse_range, start_server
+from cache.source import BlobRef, FetchChain, NotHere
+from tests.services import free_port, stop_process
+from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def push_blob(registry, repository: str, data: bytes, tmp_path: Path, docker_config=None) -> str:
+    """Upload `data` as a blob of `repository` at the registry; returns its digest."""
+    if registry.username and docker_config is not None:
+        docker_config.login(registry.host, registry.username, registry.password)
+    digest = digest_of(data)
+    path = tmp_path / f"blob-{digest[7:19]}"
+    path.write_bytes(data)
+    dest = RegistryDestination(DockerRef(registry.host, repository, tag="x"), plain_http=True)
+    try:
+        dest.put_blob(str(path), digest, len(data))
+    finally:
+        dest.close()
+    path.unlink()
+    return digest
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def origin_gets(registry, digest: str, want_at_least: int = 0) -> int:
+    """Blob GETs the origin logged (waits briefly for the log line of a finished request)."""
+    deadline = time.monotonic() + 3
+    while True:
+        n, _ = registry.count("GET", f"/blobs/{digest}")
+        if n >= want_at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+class RunningRegion:
+    """The region cache server on 127.0.0.1:0, its event loop in a thread of this process."""
+
+    # a callback that holds the event loop this long is blocking I/O on the loop: a bug
+    SLOW_CALLBACK = 0.5
+
+    def __init__(self, config: RegionConfig, backend) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_debug(True)
+        self.loop.slow_callback_duration = self.SLOW_CALLBACK
+        self.slow_callbacks = _SlowCallbacks(self.loop)
+        logging.getLogger("asyncio").addHandler(self.slow_callbacks)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="region-loop", daemon=True)
+        self.thread.start()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(start_server(config, backend, "127.0.0.1", 0), self.loop)
+            self.server = fut.result(timeout=20)
+        except BaseException:
+            self._stop_loop()
+            backend.close()
+            raise
+        self.port, self.cache = self.server.port, self.server.cache
+        self.backend = backend
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stats(self) -> dict:
+        return requests.get(self.url + "/-/status", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """The statistics once no fill is running (fills finish after their first responses)."""
+        deadline = time.monotonic() + timeout
+        while (stats := self.stats())["fills_running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return stats
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=20)
+        self.loop.close()
+
+    def stop(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=30)
+        finally:
+            self._stop_loop()
+            logging.getLogger("asyncio").removeHandler(self.slow_callbacks)
+        assert not self.slow_callbacks.seen, f"the region blocked its event loop: {self.slow_callbacks.seen}"
+
+
+class _SlowCallbacks(logging.Handler):
+    """Collects asyncio debug mode's "Executing <callback> took N seconds" warnings."""
+
+    def __init__(self, loop) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Executing "):
+            self.seen.append(message[:300])
+
+
+@pytest.fixture
+def region_factory(tmp_path):
+    """start(origin_registry, **config) -> RunningRegion (disk backend unless given one)."""
+    started: list[RunningRegion] = []
+
+    def start(origin, backend=None, **options) -> RunningRegion:
+        auth = options.pop("auth", AuthConfig())
+        config = RegionConfig(origin=origin.url, store=str(tmp_path / f"region-{len(started)}"),
+                              auth=auth, **options)
+        if backend is None:
+            backend = backends.create("disk", root=config.store, capacity=1 << 30, fsync=False)
+        region = RunningRegion(config, backend)
+        started.append(region)
+        return region
+
+    yield start
+    for region in started:
+        region.stop()
+
+
+def get(region: RunningRegion, name: str, digest: str, headers: dict | None = None, method: str = "GET"):
+    return requests.request(method, f"{region.url}/v2/{name}/blobs/{digest}", headers=headers or {}, timeout=30)
+
+
+# --- ranges, hits and misses ------------------------------------------------------------------
+
+
+def test_parse_range_table():
+    size = 1000
+    cases = {
+        None: None, "": None, "bytes=0-0": (0, 1), "bytes=0-999": (0, 1000), "bytes=10-": (10, 1000),
+        "bytes=-10": (990, 1000), "bytes=-5000": (0, 1000), "bytes=990-5000": (990, 1000),
+        "bytes=5-2": None, "bytes=0-1,5-6": None, "items=0-1": None, "bytes=-": None, "bytes=x-1": None,
+    }
+    for header, want in cases.items():
+        assert parse_range(header, size) == want, header
+    for header in ("bytes=1000-", "bytes=1000-1001", "bytes=-0"):
+        with pytest.raises(Exception) as info:
+            parse_range(header, size)
+        assert info.value.status == 416 and info.value.headers["Content-Range"] == "bytes */1000"
+
+
+def test_whole_blob_ranges_and_head(registry, region_factory, tmp_path):
+    data = random.Random(1).randbytes(3 << 20)
+    digest = push_blob(registry, "lib/odd_name-1", data, tmp_path)
+    region = region_factory(registry)
+    name = "lib/odd_name-1"
+
+    r = get(region, name, digest, method="HEAD")  # answered from the origin's HEAD: no fill
+    assert r.status_code == 200 and int(r.headers["Content-Length"]) == len(data)
+    assert r.headers["Docker-Content-Digest"] == digest and region.stats()["fills"] == 0
+
+    r = get(region, name, digest, {"Range": "bytes=100-199"})  # a miss: served while it fills
+    assert r.status_code == 206 and r.content == data[100:200]
+    assert r.headers["Content-Range"] == f"bytes 100-199/{len(data)}"
+    assert r.headers["Docker-Content-Digest"] == digest
+
+    r = get(region, name, digest)
+    assert r.status_code == 200 and r.content == data
+    for header, want in [("bytes=-7", data[-7:]), (f"bytes={len(data) - 10}-", data[-10:]),
+                         ("bytes=0-0", data[:1]), (f"bytes=1048570-{3 << 21}", data[1048570:])]:
+        r = get(region, name, digest, {"Range": header})
+        assert r.status_code == 206 and r.content == want, header
+
+    r = get(region, name, digest, method="HEAD")
+    assert r.status_code == 200 and int(r.headers["Content-Length"]) == len(data) and not r.content
+    stats = region.stats()
+    assert stats["fills"] == 1 and stats["fills_committed"] == 1 and stats["hits"] >= 5
+    assert stats["backend"]["blobs"] == 1 and stats["backend"]["size_bytes"] == len(data)
+    assert origin_gets(registry, digest, 1) == 1
+
+
+def test_fill_goes_on_when_its_clients_leave(registry, region_factory, tmp_path):
+    data = random.Random(11).randbytes(16 << 20)
+    digest = push_blob(registry, "lib/leave", data, tmp_path)
+    region = region_factory(registry)
+    with requests.get(f"{region.url}/v2/lib/leave/blobs/{digest}", stream=True, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.raw.read(1000) == data[:1000]
+    # the client hung up after 1000 bytes; the blob is still fetched, verified and cached
+    assert region.wait_idle()["fills_committed"] == 1
+    assert region.backend.contains(digest)
+    r = get(region, "lib/leave", digest, {"Range": "bytes=-5"})
+    assert r.status_code == 206 and r.content == data[-5:]
+    assert origin_gets(registry, digest, 1) == 1
+
+
+def test_bad_requests(registry, region_factory, tmp_path):
+    data = b"shoal region test blob\n" * 100
+    digest = push_blob(registry, "lib/a", data, tmp_path)
+    region = region_factory(registry)
+    r = get(region, "lib/a", digest, {"Range": f"bytes={len(data)}-"})
+    assert r.status_code == 416
+    assert r.headers["Content-Range"] == f"bytes */{len(data)}"
+    assert r.json()["errors"][0]["code"] == "RANGE_INVALID"
+    r = get(region, "lib/a", digest, {"Range": f"bytes={len(data) + 100}-{len(data) + 200}"})  # cached now
+    assert r.status_code == 416
+
+    for bad in ("sha256:abc", "sha256:" + "G" * 64, "md5:" + "0" * 32, "sha256:" + "0" * 65):
+        r = get(region, "lib/a", bad)
+        assert r.status_code == 400, bad
+        assert r.json()["errors"][0]["code"] == "DIGEST_INVALID"
+        assert "invalid digest" in r.json()["errors"][0]["message"]
+    r = get(region, "Lib/UPPER", digest)
+    assert r.status_code == 400 and r.json()["errors"][0]["code"] == "NAME_INVALID"
+
+    unknown = digest_of(b"never pushed")
+    r = get(region, "lib/a", unknown)
+    assert r.status_code == 404 and r.json()["errors"][0]["code"] == "BLOB_UNKNOWN"
+    r = requests.post(f"{region.url}/v2/lib/a/blobs/uploads/", timeout=10)
+    assert r.status_code == 405
+    r = requests.get(f"{region.url}/v2/lib/a/blobs/{digest}?ns=other.example:5000", timeout=10)
+    assert r.status_code == 404  # containerd's mirror parameter names another registry
+    r = requests.get(f"{region.url}/v2/lib/a/blobs/{digest}?ns={registry.host}", timeout=10)
+    assert r.status_code == 200 and r.content == data
+    r = requests.get(f"{region.url}/v2/", timeout=10)  # passed through to the origin
+    assert r.status_code == 200
+    r = requests.get(f"{region.url}/v2/lib/a/manifests/latest?ns=other.example:5000", timeout=10)
+    assert r.status_code == 404
+
+
+def test_100_concurrent_requests_cause_one_origin_get(registry, region_factory, tmp_path):
+    data = random.Random(2).randbytes(8 << 20)
+    digest = push_blob(registry, "train/image", data, tmp_path)
+    region = region_factory(registry)
+    url = f"{region.url}/v2/train/image/blobs/{digest}"
+    rnd = random.Random(3)
+    spans = [None if i % 10 == 0 else sorted(rnd.sample(range(len(data)), 2)) for i in range(100)]
+
+    async def fetch_all():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def one(span):
+                headers = {"Range": f"bytes={span[0]}-{span[1]}"} if span else {}
+                async with session.get(url, headers=headers) as resp:
+                    return resp.status, await resp.read()
+
+            return await asyncio.gather(*(one(s) for s in spans))
+
+    results = asyncio.run(fetch_all())
+    for span, (status, body) in zip(spans, results):
+        if span is None:
+            assert status == 200 and body == data
+        else:
+            assert status == 206 and body == data[span[0]:span[1] + 1]
+    stats = region.stats()
+    assert stats["fills"] == 1
+    assert stats["misses"] + stats["hits"] == 100
+    assert stats["coalesced"] == stats["misses"] - 1
+    assert stats["coalesced"] > 0
+    assert origin_gets(registry, digest, 1) == 1
+
+
+def test_blob_that_does_not_match_its_digest_at_the_origin(registry, region_factory, tmp_path):
+    small = random.Random(4).randbytes(300_000)
+    large = random.Random(5).randbytes(5 << 20)
+    region = region_factory(registry)
+    for data in (small, large):
+        digest = push_blob(registry, "lib/bad", data, tmp_path)
+        stored = registry.storage / "docker/registry/v2/blobs/sha256" / digest[7:9] / digest[7:] / "data"
+        bad = bytearray(data)
+        bad[-1000:] = bytes(1000)  # same size, wrong bytes: the origin cannot tell
+        stored.write_bytes(bad)
+
+        if data is small:
+            r = get(region, "lib/bad", digest)
+            assert r.status_code == 502
+            message = r.json()["errors"][0]["message"]
+            assert digest in message and "hash to" in message and "not cached" in message
+        else:
+            # this response is already streaming when the digest check fails: cut short
+            with pytest.raises((requests.exceptions.ChunkedEncodingError, requests.ConnectionError)):
+                r = get(region, "lib/bad", digest)
+                assert len(r.content) < len(data)
+        assert not region.backend.contains(digest)
+        # nothing cached: the next request goes to the origin again
+        r = get(region, "lib/bad", digest, {"Range": "bytes=0-10"})
+        assert origin_gets(registry, digest, 2) == 2
+    stats = region.wait_idle()
+    assert stats["fills_failed"] == 4 and stats["fills_committed"] == 0
+    assert stats["backend"]["blobs"] == 0
+    assert not os.listdir(Path(region.backend.root) / "tmp")
+
+
+# --- auth ------------------------------------------------------------------------------------
+
+
+def test_basic_auth_private_blob_is_served_only_to_clients_the_origin_would_serve(
+        basic_registry, region_factory, tmp_path, docker_config):
+    reg = basic_registry
+    data = random.Random(6).randbytes(200_000)
+    digest = push_blob(reg, "team-a/private", data, tmp_path, docker_config)
+    other = push_blob(reg, "team-b/private", b"team b's secret layer", tmp_path, docker_config)
+    region = region_factory(reg)
+    good = basic(reg.username, reg.password)
+
+    r = get(region, "team-a/private", digest, {"Authorization": good})  # client A: cached
+    assert r.status_code == 200 and r.content == data
+    assert region.wait_idle()["fills_committed"] == 1 and region.backend.contains(digest)
+
+    r = get(region, "team-a/private", digest)  # client B, anonymous
+    assert r.status_code == 401
+    assert r.headers["WWW-Authenticate"].lower().startswith("basic")
+    assert data[:100] not in r.content
+    r = get(region, "team-a/private", digest, {"Authorization": basic(reg.username, "wrong")})
+    assert r.status_code in (401, 403)
+    r = get(region, "team-a/private", digest, {"Authorization": "Bearer not-a-token"})
+    assert r.status_code in (401, 403)
+    r = get(region, "team-a/private", digest, {"Range": "bytes=0-9"})  # remembered refusal
+    assert r.status_code == 401
+
+    # a blob cached through one repository is not served under another it is not in
+    assert get(region, "team-b/private", other, {"Authorization": good}).status_code == 200
+    r = get(region, "team-a/private", other, {"Authorization": good})
+    assert r.status_code == 404
+
+    r = get(region, "team-a/private", digest, {"Authorization": good, "Range": "bytes=5-9"})
+    assert r.status_code == 206 and r.content == data[5:10]
+    stats = region.stats()
+    assert stats["denied"] >= 4 and stats["auth_cache_hits"] >= 1
+    assert origin_gets(reg, digest) == 1
+
+
+def test_token_auth_origin(token_registry, region_factory, tmp_path, docker_config):
+    reg = token_registry
+    data = random.Random(7).randbytes(150_000)
+    digest = push_blob(reg, "team-c/model", data, tmp_path, docker_config)
+    region = region_factory(reg)
+
+    # Basic credentials: the region does the token dance with them
+    r = get(region, "team-c/model", digest, {"Authorization": basic(reg.username, reg.password)})
+    assert r.status_code == 200 and r.content == data
+    assert region.wait_idle()["fills_committed"] == 1 and region.backend.contains(digest)
+
+    # anonymous: the token server refuses; the client sees the origin's bearer challenge
+    r = get(region, "team-c/model", digest)
+    assert r.status_code == 401
+    assert r.headers["WWW-Authenticate"].startswith("Bearer realm=")
+    r = get(region, "team-c/model", digest, {"Authorization": basic(reg.username, "wrong")})
+    assert r.status_code == 401
+
+    # a token the client got itself from the token server (as docker and containerd do)
+    scope = "repository:team-c/model:pull"
+    tok = requests.get(reg.token_server.realm, params={"service": "shoal-test-registry", "scope": scope},
+                       headers={"Authorization": basic(reg.username, reg.password)}, timeout=10).json()["token"]
+    r = get(region, "team-c/model", digest, {"Authorization": f"Bearer {tok}", "Range": "bytes=1-3"})
+    assert r.status_code == 206 and r.content == data[1:4]
+
+
+# --- the node's fetch source ---------------------------------------------------------------
+
+
+def test_region_source_in_a_fetch_chain(basic_registry, region_factory, tmp_path, docker_config):
+    reg = basic_registry
+    data = random.Random(8).randbytes(2 << 20)
+    digest = push_blob(reg, "lib/chain", data, tmp_path, docker_config)  # also logs the node in
+    region = region_factory(reg)
+    source = RegionSource(region.url)
+    chain = FetchChain([source])
+    ref = BlobRef(reg.host, "lib/chain", digest, len(data), plain_http=True)
+    ranges = [(0, 10), (10, 20), (1 << 20, (1 << 20) + 5), (len(data) - 3, len(data))]
+    assert chain.read_ranges(ref, ranges) == [data[a:b] for a, b in ranges]
+    assert chain.statistics()["region"]["requests"] == 1
+    with pytest.raises(NotHere):  # unknown at the origin
+        source.read_ranges(BlobRef(reg.host, "lib/chain", digest_of(b"nope")), [(0, 1)])
+    with pytest.raises(NotHere):  # another registry than the region's origin
+        source.read_ranges(BlobRef("elsewhere.example", "lib/chain", digest), [(0, 1)])
+    source.close()
+
+    dead = RegionSource(f"http://127.0.0.1:{free_port()}", down_for=60)
+    with pytest.raises(NotHere):
+        dead.read_ranges(ref, [(0, 1)])
+    with pytest.raises(NotHere, match="down"):  # remembered: not even tried
+        dead.read_ranges(ref, [(0, 1)])
+    dead.close()
+
+
+# --- the S3 backend behind the server ------------------------------------------------------
+
+
+def test_region_with_s3_backend(registry, region_factory, tmp_path, s3_bucket):  # noqa: F811
+    data = random.Random(9).randbytes(3 << 20)
+    digest = push_blob(registry, "lib/s3", data, tmp_path)
+    backend = backends.create("s3", bucket=s3_bucket["bucket"], endpoint_url=s3_bucket["endpoint_url"],
+                              prefix="region/", staging=tmp_path / "staging")
+    region = region_factory(registry, backend=backend)
+    r = get(region, "lib/s3", digest, {"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == data[10:20]
+    assert region.wait_idle()["fills_committed"] == 1  # the upload finishes after the first response
+    key = f"region/blobs/sha256/{digest[7:]}"
+    assert s3_bucket["client"].head_object(Bucket=s3_bucket["bucket"], Key=key)["ContentLength"] == len(data)
+    r = get(region, "lib/s3", digest, {"Range": "bytes=1048576-"})
+    assert r.status_code == 206 and r.content == data[1 << 20:]
+    assert region.stats()["hits"] >= 1
+    assert origin_gets(registry, digest, 1) == 1
+    assert not os.listdir(tmp_path / "staging")
+
+
+# --- `shoal region` as a process ------------------------------------------------------------
+
+
+def test_shoal_region_command(registry, tmp_path):
+    data = random.Random(10).randbytes(500_000)
+    digest = push_blob(registry, "lib/cli", data, tmp_path)
+    port = free_port()
+    config = tmp_path / "region.toml"
+    config.write_text('backend = "disk"\n[disk]\ncapacity = "64M"\nfsync = false\n[auth]\nttl = 30.0\n'
+                      '[tracker]\nsomething = "for another component"\n')
+    log_path = tmp_path / "region.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", registry.url,
+             "--store", str(tmp_path / "store dir"), "--config", str(config)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
+        )
+    try:
+        line = proc.stdout.readline().decode()
+        assert "serving" in line and str(port) in line, (line, log_path.read_text())
+        url = f"http://127.0.0.1:{port}"
+        r = requests.get(f"{url}/v2/lib/cli/blobs/{digest}", headers={"Range": "bytes=0-99"}, timeout=30)
+        assert r.status_code == 206 and r.content == data[:100]
+        status = requests.get(f"{url}/-/status", timeout=10).json()
+        assert status["misses"] == 1 and status["backend"]["capacity_bytes"] == 64 << 20
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        text = log_path.read_text()
+        assert digest in text and "127.0.0.1" in text  # logs name the blob and the client
+    finally:
+        stop_process(proc)
+        proc.stdout.close()
+
+
+def test_shoal_region_usage_errors(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "shoal", "region", *args], check=False, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+    r = run("--store", str(tmp_path))
+    assert r.returncode == 2 and "origin" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[disk]\ncapacty = 5\n")
+    r = run("--origin", "http://127.0.0.1:1", "--config", str(bad))
+    assert r.returncode == 2 and "disk.capacty" in r.stderr
+    r = run("--origin", "ftp://x", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
+    assert r.returncode in (1, 2) and "origin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
