@@ -350,7 +350,7 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
             current.chunks.append(_chunk(raw, name, file_offset=_int(raw, "chunkOffset", name)))
             continue
         close_file()
-        if typ not in ENTRY_TYPES:
+        if not isinstance(typ, str) or typ not in ENTRY_TYPES:
             raise FormatError(f"TOC entry {name!r}: unknown type {str(typ)[:20]!r}")
         e = Entry(
             name=name,

@@ -22,6 +22,10 @@ def make_chain(config: dict) -> FetchChain:
 
         sources.append(RegionSource(region))
     sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", [])))
+    if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
+        from p2p.node import swarm_chain
+
+        return swarm_chain(sources, config)
     return FetchChain(sources)
 
 

@@ -93,7 +93,8 @@ class _Containerd:
         pb = self.pb
         lease_id = f"shoal-pull-{secrets.token_hex(6)}"
         expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
-        req = pb.leases.CreateRequest(id=lease_id, labels={"containerd.io/gc.expire": expire})
+        req = pb.leases.CreateRequest(id=lease_id)
+        pb.labels_to_pb(req.labels, {"containerd.io/gc.expire": expire})
         self.call(pb.leases_grpc.LeasesStub, "Create", req, "create lease")
         self.lease = lease_id
 
@@ -108,11 +109,13 @@ class _Containerd:
     def write_content(self, data: bytes, digest: str, labels: dict[str, str]) -> None:
         pb = self.pb
         ref = f"shoal-pull-{digest}"
+        commit = pb.content.WriteContentRequest(action=pb.content.COMMIT, ref=ref, total=len(data),
+                                                expected=digest, offset=len(data))
+        pb.labels_to_pb(commit.labels, labels)
         reqs = [
             pb.content.WriteContentRequest(action=pb.content.WRITE, ref=ref, total=len(data), expected=digest,
                                            offset=0, data=data),
-            pb.content.WriteContentRequest(action=pb.content.COMMIT, ref=ref, total=len(data), expected=digest,
-                                           offset=len(data), labels=labels),
+            commit,
         ]
         stub = pb.content_grpc.ContentStub(self.channel)
         try:
@@ -121,7 +124,8 @@ class _Containerd:
         except self.grpc.RpcError as e:
             if e.code() != self.grpc.StatusCode.ALREADY_EXISTS:
                 raise TransportError(f"containerd content write {digest}: {e.details()}") from None
-            info = pb.content.Info(digest=digest, labels=labels)
+            info = pb.content.Info(digest=digest)
+            pb.labels_to_pb(info.labels, labels)
             mask = pb.field_mask(paths=[f"labels.{k}" for k in labels])
             self.call(pb.content_grpc.ContentStub, "Update", pb.content.UpdateRequest(info=info, update_mask=mask),
                       f"content labels {digest}")
@@ -140,7 +144,8 @@ class _Containerd:
     def prepare_remote(self, snapshotter: str, parent: str, labels: dict[str, str], what: str) -> None:
         pb = self.pb
         key = f"shoal-pull-{secrets.token_hex(8)} {labels[remote.LABEL_TARGET]}"
-        req = pb.snapshots.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent, labels=labels)
+        req = pb.snapshots.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent)
+        pb.labels_to_pb(req.labels, labels)
         try:
             self.call(pb.snapshots_grpc.SnapshotsStub, "Prepare", req, what)
         except _RpcFailure as e:
@@ -156,7 +161,8 @@ class _Containerd:
     def put_image(self, name: str, target: dict, labels: dict[str, str]) -> None:
         pb = self.pb
         desc = pb.descriptor.Descriptor(media_type=target["mediaType"], digest=target["digest"], size=target["size"])
-        image = pb.images.Image(name=name, target=desc, labels=labels)
+        image = pb.images.Image(name=name, target=desc)
+        pb.labels_to_pb(image.labels, labels)
         try:
             self.call(pb.images_grpc.ImagesStub, "Create", pb.images.CreateImageRequest(image=image), "image")
         except _RpcFailure as e:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -346,7 +347,7 @@ class ContainerdServer:
             raise RuntimeError(f"containerd: still mounted after umount -l: {left}")
 
 
-def _containerd_config(root: Path, state: Path, address: str) -> str:
+def _containerd_config(root: Path, state: Path, address: str, extra: str = "") -> str:
     def q(value: object) -> str:
         return json.dumps(str(value))  # a TOML basic string is a JSON string
 
@@ -367,12 +368,14 @@ def _containerd_config(root: Path, state: Path, address: str) -> str:
         '[plugins."io.containerd.internal.v1.opt"]',
         f"  path = {q(root / 'opt')}",  # default /opt/containerd
         "",
+        extra,
     ])
 
 
-def start_containerd(workdir: Path | str) -> ContainerdServer:
+def start_containerd(workdir: Path | str, extra_config: str = "") -> ContainerdServer:
     """Start /usr/bin/containerd with root, state and socket inside `workdir` (or, when
-    that path is too long for a unix socket, a short private directory under /tmp)."""
+    that path is too long for a unix socket, a short private directory under /tmp).
+    `extra_config` is appended to its TOML (e.g. a `[proxy_plugins.shoal]` table)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     root, state = workdir / "root", workdir / "state"
@@ -385,7 +388,7 @@ def start_containerd(workdir: Path | str) -> ContainerdServer:
         socket_dir = Path(tempfile.mkdtemp(prefix="shoal-ctd-", dir="/tmp"))
         address = str(socket_dir / "c.sock")
     config_path = workdir / "containerd.toml"
-    config_path.write_text(_containerd_config(root, state, address))
+    config_path.write_text(_containerd_config(root, state, address, extra_config))
     created_run_dirs = missing_dirs(*_CONTAINERD_RUN_DIRS)
     log_path = workdir / "containerd.log"
     with open(log_path, "wb") as log:
@@ -414,3 +417,46 @@ def start_containerd(workdir: Path | str) -> ContainerdServer:
     tail = server.log_tail()
     server.stop()
     raise RuntimeError(f"containerd did not start (exit status {proc.poll()}); log:\n{tail}")
+
+
+# --- shoal node ----------------------------------------------------------------------
+
+SHOAL = str(Path(sys.executable).parent / "shoal")  # .venv/bin/shoal
+
+
+class NodeProcess:
+    """A running `shoal node`, stopped by PID."""
+
+    def __init__(self, root: Path, sock: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+        self.root, self.socket, self.log_path = root, sock, log
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(
+                [SHOAL, "-vv", "node", "--root", str(root), "--socket", str(sock), *extra],
+                stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 20
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"shoal node did not start (exit {self.proc.returncode}):\n{self.log()}")
+            time.sleep(0.02)
+
+    def _answers(self) -> bool:
+        """Listening (a stale socket file from a killed node refuses connections)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(self.socket))
+                return True
+            except OSError:
+                return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> int | None:
+        stop_process(self.proc)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()

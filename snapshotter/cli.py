@@ -1,0 +1,66 @@
+"""`shoal node`: registered by shoal/cli.py (COMMAND_MODULES). Imports nothing heavy at
+module level, so `shoal` works without the node's dependencies installed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import signal
+import threading
+
+from shoal.errors import ShoalError
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    missing = [m for m in ("grpc", "containerd") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ShoalError(f"shoal node needs the node dependencies (pip install 'shoal[node]'): no {', '.join(missing)}")
+    from snapshotter.node import Node, load_config
+
+    root_logger = logging.getLogger()
+    if root_logger.level > logging.INFO:
+        root_logger.setLevel(logging.INFO)  # a daemon says what it does
+    config = load_config(args.config)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logging.getLogger("shoal.node").info("%s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    from dataclasses import asdict
+
+    from snapshotter.remote import RemoteLayers
+
+    remote = RemoteLayers(args.root, asdict(config.fetch))
+    node = Node(args.root, args.socket, config, remote=remote)
+    node.start()
+    try:
+        node.wait(stop)
+    finally:
+        node.stop()
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
+
+    p = subparsers.add_parser(
+        "node",
+        help="run the node daemon (containerd snapshotter)",
+        description=(
+            "Run the node daemon: containerd's snapshots API on a unix socket, as a proxy "
+            "snapshotter (configure containerd with [proxy_plugins.shoal] type = \"snapshot\" "
+            "and this socket's address). Snapshot metadata lives under --root and survives "
+            "restarts. Stops cleanly on SIGTERM or SIGINT."
+        ),
+    )
+    p.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR",
+                   help=f"state directory: snapshots and their metadata (default {DEFAULT_ROOT})")
+    p.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
+                   help=f"the snapshotter's gRPC socket for containerd (default {DEFAULT_SOCKET})")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (default: built-in defaults)")
+    p.set_defaults(func=cmd_node)

@@ -1,0 +1,417 @@
+"""The snapshotter contract: what `shoal node` serves to containerd.
+
+This follows containerd's snapshots.Snapshotter (core/snapshots/snapshotter.go) word for
+word where it can; the gRPC edge (grpc_server.py, convert.py) only translates.
+
+Vocabulary
+----------
+A *snapshot* is a file system state. Every snapshot has a *parent*, a committed snapshot
+or "" (an empty directory). A diff between a snapshot and its parent is a classic layer.
+
+- *key* names an active snapshot (Active or View). *name* names a committed snapshot.
+  Keys and names share one namespace: an active snapshot may not use the name of a
+  committed one, nor two snapshots the same key.
+- *Kinds*: **Active** snapshots are created by `prepare`; their mounts are writable and
+  capture changes relative to the parent. **View** snapshots are created by `view`; their
+  mounts are read-only and they can never be committed. **Committed** snapshots are
+  created by `commit` (or by a remote layer, below) and are immutable; only they may be
+  parents. Active snapshots never become committed and vice versa: `commit(name, key)`
+  creates the committed snapshot `name` and removes the active `key`.
+- The *parent chain* of a snapshot is its parent, the parent's parent, and so on. The
+  mounts of a snapshot stack the chain nearest-first below the snapshot's own directory.
+- *Labels* are string pairs attached to a snapshot. `prepare`, `view` and `commit` set
+  them (commit replaces them; they are not inherited), `update` changes them. A label
+  set to "" is removed. containerd keeps its garbage-collection references in labels
+  (`containerd.io/gc.*`) and passes remote-snapshot hints with the prefix
+  `containerd.io/snapshot/` plus `containerd.io/snapshot.ref`.
+- *Usage* is the disk space and inodes a snapshot uses itself, without its parents:
+  computed by walking the directory for active snapshots, recorded at commit for
+  committed ones.
+- *Walk* filters use containerd's filter syntax (containerd/filters): each filter is a
+  comma-separated list of selectors that must all match, `fieldpath[op value]` with op
+  `==`, `!=` or `~=` (regular expression), or no op to test presence; field paths are
+  `name`, `parent`, `kind` (active, view, committed) and `labels.KEY`, where a part may be
+  double-quoted (`labels."containerd.io/gc.root"==x`). A snapshot matches if any filter
+  matches; no filters match everything.
+
+Errors (all ShoalError, each with a one-line message, mapped to gRPC codes at the edge):
+- NotFound: the key, name or parent does not exist.
+- AlreadyExists: the key or name is taken; for a remote layer, "the target exists now".
+- FailedPrecondition: the snapshot is in the wrong state (commit of a view, mounts of a
+  committed snapshot, removal of a snapshot that still has children).
+- InvalidArgument: a malformed request (a parent that is not committed, an immutable
+  field in update, a filter that does not parse).
+
+Remote layers
+-------------
+containerd's remote-snapshotter protocol (docs/snapshotters/remote-snapshotter.md): the
+unpacker calls Prepare with the label `containerd.io/snapshot.ref` = the chain id the
+layer will be committed as (the *target*). A snapshotter that can provide that layer
+without being sent its bytes commits a snapshot named target itself and answers
+AlreadyExists; containerd then looks it up by Walk
+(`labels."containerd.io/snapshot.ref"==TARGET,parent=="PARENT"`) and skips fetching and
+applying the layer. The RemoteLayers seam below is where the layer comes from.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shoal.errors import ShoalError
+
+# Labels with a meaning in the protocol.
+LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
+LABEL_LAYER_KIND = "shoal.io/layer-kind"  # "lazy" | "unpacked" on remote-provided layers
+
+
+class Kind(enum.IntEnum):
+    """containerd's snapshots.Kind; the values are those of the wire enum."""
+
+    VIEW = 1
+    ACTIVE = 2
+    COMMITTED = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class Info:
+    """What Stat, Update and Walk return. `name` is the key of an active snapshot or the
+    name of a committed one. Times are nanoseconds since the Unix epoch (containerd keeps
+    nanoseconds and compares them exactly)."""
+
+    kind: Kind
+    name: str
+    parent: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    created_ns: int = 0
+    updated_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Disk use of one snapshot without its parents: bytes allocated and inodes."""
+
+    size: int = 0
+    inodes: int = 0
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One mount(2) as containerd performs it: `mount -t TYPE -o OPTIONS SOURCE TARGET`."""
+
+    type: str
+    source: str
+    options: tuple[str, ...] = ()
+
+
+class NotFound(ShoalError):
+    """The key, name or parent does not exist."""
+
+
+class AlreadyExists(ShoalError):
+    """The key or name is taken (for remote layers: the target exists now)."""
+
+
+class FailedPrecondition(ShoalError):
+    """The snapshot is in the wrong state for the operation."""
+
+
+class InvalidArgument(ShoalError):
+    """The request is malformed."""
+
+
+# --- the remote seam -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteLayer:
+    """A layer provided by RemoteLayers: a read-only directory holding the layer's files
+    (whiteouts in overlayfs form), used as a lower directory of overlay mounts.
+
+    `kind` is "lazy" (served on demand, e.g. a FUSE mount) or "unpacked" (a directory
+    filled ahead). `info_labels` are added to the committed snapshot's labels. `usage`,
+    when known, is reported by Usage (the directory is never walked for it: it may be a
+    lazy file system).
+    """
+
+    path: str
+    kind: str
+    info_labels: dict[str, str] = field(default_factory=dict)
+    usage: Usage | None = None
+
+
+class RemoteLayers(Protocol):
+    """Where layers that containerd need not download come from (lazy FUSE layers).
+
+    Called from gRPC worker threads, possibly concurrently for different targets, never
+    concurrently for the same target. May block (fetch a TOC, mount); the snapshotter
+    holds no lock meanwhile.
+    """
+
+    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> RemoteLayer | None:
+        """Called on Prepare when the labels carry `containerd.io/snapshot.ref` (= target,
+        the layer's chain id; `parent` is the committed parent's name, "" for the base).
+
+        Return None when this is not a layer it can provide: the Prepare goes on as an
+        ordinary one and containerd unpacks the layer. Return a RemoteLayer to have the
+        snapshotter commit it as `target`. Raise ShoalError on failure: the Prepare fails
+        with that message. If it returns a layer that the snapshotter then cannot record,
+        release() is called for it.
+        """
+        ...
+
+    def release(self, layer: RemoteLayer) -> None:
+        """The committed snapshot of this layer was removed: unmount, forget. Errors are
+        logged, not returned to containerd (the snapshot is gone either way)."""
+        ...
+
+    def restore(self, layer_path: str, labels: dict[str, str]) -> None:
+        """At start-up, for every remote snapshot in the metadata: make `layer_path`
+        serve the layer again after a daemon restart (labels as recorded at prepare)."""
+        ...
+
+
+# --- the contract ------------------------------------------------------------------------
+
+
+class Snapshotter(Protocol):
+    """containerd's Snapshotter (plus Cleanup), in Python. Thread-safe."""
+
+    def stat(self, key: str) -> Info:
+        """Info of the active or committed snapshot `key`. NotFound."""
+        ...
+
+    def update(self, info: Info, fieldpaths: Sequence[str] = ()) -> Info:
+        """Change the mutable fields of snapshot `info.name`: only labels. No fieldpaths:
+        replace all labels; "labels": the same; "labels.KEY": set (or, to "", remove) one
+        label. Other paths: InvalidArgument. Updates the update time. NotFound."""
+        ...
+
+    def usage(self, key: str) -> Usage:
+        """Usage of snapshot `key` without its parents. NotFound."""
+        ...
+
+    def mounts(self, key: str) -> list[Mount]:
+        """The mounts of active or view snapshot `key` (the same as Prepare/View
+        returned). NotFound; FailedPrecondition for a committed snapshot."""
+        ...
+
+    def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
+        """Create the active snapshot `key` on `parent` ("" = empty) and return its
+        writable mounts. AlreadyExists (key taken, or a remote layer was committed as the
+        target), NotFound (parent), InvalidArgument (parent not committed)."""
+        ...
+
+    def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
+        """Like prepare, but read-only mounts and never committable."""
+        ...
+
+    def commit(self, name: str, key: str, labels: dict[str, str] | None = None) -> None:
+        """Commit active `key` as `name` (same parent, these labels) and remove `key`.
+        AlreadyExists (name), NotFound (key), FailedPrecondition (key is not active)."""
+        ...
+
+    def remove(self, key: str) -> None:
+        """Remove snapshot `key` and its resources. NotFound; FailedPrecondition while
+        it has children."""
+        ...
+
+    def walk(self, filters: Sequence[str] = ()) -> list[Info]:
+        """Every snapshot matching any of `filters` (all when none). InvalidArgument for
+        a filter that does not parse."""
+        ...
+
+    def cleanup(self) -> None:
+        """Reclaim disk resources that no snapshot owns (left by crashes)."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; idempotent."""
+        ...
+
+
+# --- Walk filters (containerd/filters) ------------------------------------------------------
+
+# The grammar, from containerd's filters/parser.go:
+#   selectors := selector ("," selector)*
+#   selector  := fieldpath (operator value)
+#   fieldpath := field ('.' field)*
+#   field     := quoted | [A-Za-z0-9_]+
+#   operator  := "==" | "!=" | "~="
+#   value     := quoted | [^\s,]+
+#   quoted    := <go string syntax>; fields take "..." only, values of ~= also /.../ and |...|
+
+_PRESENT, _EQ, _NE, _MATCH = "?", "==", "!=", "~="
+_QUOTES = '"/|'
+_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\"}
+
+
+@dataclass(frozen=True)
+class _Selector:
+    fieldpath: tuple[str, ...]
+    op: str
+    value: str = ""
+    regex: re.Pattern | None = None
+
+
+class _FilterParser:
+    def __init__(self, text: str) -> None:
+        self.text, self.pos = text, 0
+
+    def fail(self, message: str) -> InvalidArgument:
+        return InvalidArgument(f"filter {self.text!r}: {message} at offset {self.pos}")
+
+    def skip_space(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def peek(self) -> str:
+        self.skip_space()
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def parse(self) -> list[_Selector]:
+        selectors = [self.selector()]
+        while True:
+            ch = self.peek()
+            if ch == "":
+                return selectors
+            if ch != ",":
+                raise self.fail(f"unexpected input {ch!r}")
+            self.pos += 1
+            selectors.append(self.selector())
+
+    def selector(self) -> _Selector:
+        path = [self.field()]
+        while self.peek() == ".":
+            self.pos += 1
+            path.append(self.field())
+        if self.peek() in ("", ","):
+            return _Selector(tuple(path), _PRESENT)
+        op = self.operator()
+        value = self.value(alt_quotes=op == _MATCH)
+        regex = None
+        if op == _MATCH:
+            try:
+                regex = re.compile(value)
+            except re.error as e:
+                raise self.fail(f"bad regular expression {value!r}: {e}") from None
+        return _Selector(tuple(path), op, value, regex)
+
+    def field(self) -> str:
+        ch = self.peek()
+        if ch == '"':
+            return self.quoted()
+        start = self.pos
+        while self.pos < len(self.text) and (self.text[self.pos].isascii() and (
+                self.text[self.pos].isalnum() or self.text[self.pos] == "_")):
+            self.pos += 1
+        if self.pos == start:
+            raise self.fail("expected a field or a quoted string")
+        return self.text[start:self.pos]
+
+    def operator(self) -> str:
+        self.skip_space()
+        start = self.pos
+        while self.pos < len(self.text) and self.text[self.pos] in "=!~":
+            self.pos += 1
+        op = self.text[start:self.pos]
+        if op not in (_EQ, _NE, _MATCH):
+            self.pos = start
+            raise self.fail('expected an operator ("==", "!=" or "~=")')
+        return op
+
+    def value(self, alt_quotes: bool) -> str:
+        ch = self.peek()
+        if ch == "":
+            raise self.fail("expected a value")
+        if ch == '"' or (alt_quotes and ch in _QUOTES):
+            return self.quoted()
+        if ch in _QUOTES or ch in ",.":
+            raise self.fail(f"unexpected {ch!r}")
+        start = self.pos
+        while self.pos < len(self.text) and self.text[self.pos] != "," and not self.text[self.pos].isspace():
+            self.pos += 1
+        return self.text[start:self.pos]
+
+    def quoted(self) -> str:
+        quote = self.text[self.pos]
+        self.pos += 1
+        out = []
+        while True:
+            if self.pos >= len(self.text) or self.text[self.pos] == "\n":
+                raise self.fail("quoted literal not terminated")
+            ch = self.text[self.pos]
+            self.pos += 1
+            if ch == quote:
+                return "".join(out)
+            if ch != "\\":
+                out.append(ch)
+                continue
+            esc = self.text[self.pos:self.pos + 1]
+            self.pos += 1
+            if esc in _ESCAPES:
+                out.append(_ESCAPES[esc])
+            elif esc == quote:
+                out.append(quote)
+            elif esc in ("x", "u", "U") or esc.isdigit():
+                width, base = {"x": (2, 16), "u": (4, 16), "U": (8, 16)}.get(esc, (3, 8))
+                digits = self.text[self.pos:self.pos + width] if esc in "xuU" else esc + self.text[self.pos:self.pos + 2]
+                try:
+                    out.append(chr(int(digits, base)))
+                except ValueError:
+                    raise self.fail("illegal escape sequence") from None
+                self.pos += width if esc in "xuU" else 2
+            else:
+                raise self.fail("illegal escape sequence")
+
+
+def _field(info: Info, path: tuple[str, ...]) -> tuple[str, bool]:
+    """containerd's snapshot filter adaptor: (value, present)."""
+    head = path[0]
+    if head == "kind":
+        return str(info.kind), True
+    if head == "name":
+        return info.name, True
+    if head == "parent":
+        return info.parent, True
+    if head == "labels":
+        if not info.labels:
+            return "", False
+        key = ".".join(path[1:])
+        return (info.labels[key], True) if key in info.labels else ("", False)
+    return "", False
+
+
+def _matches(selectors: list[_Selector], info: Info) -> bool:
+    for s in selectors:
+        value, present = _field(info, s.fieldpath)
+        if s.op == _PRESENT:
+            ok = present
+        elif s.op == _EQ:
+            ok = present and value == s.value
+        elif s.op == _NE:
+            ok = value != s.value
+        else:
+            ok = s.regex.search(value) is not None
+        if not ok:
+            return False
+    return True
+
+
+def parse_filters(filters: Iterable[str]) -> Callable[[Info], bool]:
+    """A predicate over Info for Walk filters (any filter matches; "" matches all).
+    InvalidArgument when a filter does not parse."""
+    parsed = []
+    for text in filters:
+        if text == "":
+            return lambda info: True
+        parsed.append(_FilterParser(text).parse())
+    if not parsed:
+        return lambda info: True
+    return lambda info: any(_matches(selectors, info) for selectors in parsed)

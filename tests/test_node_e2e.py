@@ -1,0 +1,146 @@
+"""End to end on real parts: Debian's registry and containerd, `shoal node` as containerd's
+proxy snapshotter, `shoal pull`, `ctr run --snapshotter shoal`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from builder.convert import convert
+from builder.oci.fromdir import ImageConfig, build_image
+from builder.oci.refs import open_source
+from snapshotter.fs.client import FSClient
+from tests.fixtures_services import containerd_missing
+from tests.rootfs import busybox_layer, delta_layer, python_layer
+from tests.services import SHOAL, NodeProcess, start_containerd, start_registry
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.registry, pytest.mark.containerd]
+
+CMD = ["/bin/sh", "-c", "cat /etc/motd; ls /data; /usr/bin/python3 -c 'import json; print(json.dumps([6 * 7]))'"]
+EXPECTED = "changed by the top layer\n"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    reg = start_registry(tmp_path_factory.mktemp("registry"), None)
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(scope="module")
+def images(registry, tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e image")
+    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
+    gz = f"{registry.host}/e2e/app:gzip"
+    build_image([str(p) for p in layers], f"docker://{gz}", ImageConfig(cmd=CMD), plain_http=True,
+                workdir=str(root))
+    lazy = f"{registry.host}/e2e/app:lazy"
+    convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
+    with open_source(f"docker://{lazy}", plain_http=True) as s:
+        manifest = json.loads(s.get_root().data)
+    return gz, lazy, manifest
+
+
+@pytest.fixture
+def node_and_containerd():
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    short = Path(tempfile.mkdtemp(prefix="shoal-e2e-", dir="/tmp"))  # unix socket paths are short
+    node = ctd = None
+    try:
+        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
+        snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
+            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
+        ctd = start_containerd(short / "ctd", extra_config=snippet)
+        yield node, ctd
+    finally:
+        if ctd is not None:
+            ctd.stop()
+        if node is not None:
+            node.stop()
+        FSClient(str(short / "root")).stop()
+        subprocess.run(["umount", "-l", str(short / "root" / "mnt")], capture_output=True)
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def shoal_json(*args: str) -> dict:
+    proc = subprocess.run([SHOAL, *args, "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def blob_bytes(registry, manifest: dict) -> int:
+    return sum(registry.count("GET", ly["digest"])[1] for ly in manifest["layers"])
+
+
+def test_lazy_image_starts_through_containerd_and_fetches_only_what_it_reads(registry, images, node_and_containerd):
+    _, lazy, manifest = images
+    node, ctd = node_and_containerd
+    before = blob_bytes(registry, manifest)
+    pulled = shoal_json("pull", lazy, "--address", ctd.address, "--namespace", "shoal-test")
+    assert [ly["kind"] for ly in pulled["layers"]] == ["lazy"] * 3
+    after_pull = blob_bytes(registry, manifest)
+    assert after_pull - before < 200_000  # TOCs only
+    out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-1", *CMD).stdout
+    assert out.startswith(EXPECTED) and out.rstrip().endswith("[42]")
+    assert "-leading-dash" not in out  # the whiteout in the top layer holds
+    fetched = blob_bytes(registry, manifest) - before
+    image_size = sum(ly["size"] for ly in manifest["layers"])
+    assert 0 < fetched < image_size / 2, (fetched, image_size)
+    # a second container from the same image fetches nothing
+    mark = blob_bytes(registry, manifest)
+    out2 = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-2", *CMD).stdout
+    assert out2 == out
+    assert blob_bytes(registry, manifest) == mark
+    status = shoal_json("status", "--root", str(node.root))
+    assert len(status["lazy_layers"]) == 3 and status["unpacked_layers"] == []
+    assert sum(ly["fetched_bytes"] for ly in status["lazy_layers"]) > 0
+
+
+def test_unconverted_layers_are_unpacked_by_the_node(registry, images, node_and_containerd):
+    gz, _, _ = images
+    node, ctd = node_and_containerd
+    pulled = shoal_json("pull", gz, "--address", ctd.address, "--namespace", "shoal-test")
+    assert [ly["kind"] for ly in pulled["layers"]] == ["unpacked"] * 3
+    out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", gz, "e2e-gz", *CMD).stdout
+    assert out.startswith(EXPECTED) and out.rstrip().endswith("[42]")
+    status = shoal_json("status", "--root", str(node.root))
+    assert len(status["unpacked_layers"]) == 3
+
+
+def test_pull_of_a_missing_image_is_one_line(registry, node_and_containerd):
+    _, ctd = node_and_containerd
+    proc = subprocess.run([SHOAL, "pull", f"{registry.host}/e2e/nothing:here", "--address", ctd.address],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert "nothing" in proc.stderr
+
+
+def test_containers_keep_running_when_the_node_restarts(registry, images, node_and_containerd):
+    _, lazy, _ = images
+    node, ctd = node_and_containerd
+    shoal_json("pull", lazy, "--address", ctd.address, "--namespace", "shoal-test")
+    ctd.ctr("run", "-d", "--snapshotter", "shoal", lazy, "e2e-long", "/bin/sh", "-c", "sleep 600")
+    try:
+        node.stop()
+        node2 = NodeProcess(node.root, node.socket, node.log_path)
+        try:
+            # the running container's files are still there (served by the fs server)
+            out = ctd.ctr("task", "exec", "--exec-id", "x1", "e2e-long", "/bin/cat", "/etc/motd").stdout
+            assert out == EXPECTED
+            out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-after", *CMD).stdout
+            assert out.startswith(EXPECTED)
+        finally:
+            node2.stop()
+    finally:
+        ctd.ctr("task", "kill", "-s", "KILL", "e2e-long", check=False)
+
+
