@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -136,8 +137,14 @@ def test_containers_keep_running_when_the_node_restarts(registry, images, node_a
             # the running container's files are still there (served by the fs server)
             out = ctd.ctr("task", "exec", "--exec-id", "x1", "e2e-long", "/bin/cat", "/etc/motd").stdout
             assert out == EXPECTED
-            out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-after", *CMD).stdout
-            assert out.startswith(EXPECTED)
+            # containerd reconnects to the restarted snapshotter with a backoff: retry
+            for _ in range(40):
+                proc = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-after", *CMD, check=False)
+                if proc.returncode == 0 or "unavailable" not in proc.stderr:
+                    break
+                time.sleep(0.25)
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.startswith(EXPECTED)
         finally:
             node2.stop()
     finally:
