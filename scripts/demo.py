@@ -11,11 +11,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from builder.oci.fromdir import ImageConfig, build_image  # noqa: E402
 from tests.rootfs import busybox_layer, delta_layer, python_layer  # noqa: E402
-from tests.services import start_registry  # noqa: E402
+from snapshotter.fs.client import FSClient  # noqa: E402
+from tests.services import NodeProcess, start_containerd, start_registry  # noqa: E402
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
@@ -27,6 +29,34 @@ def step(text: str) -> None:
 def run(*args: str) -> None:
     print("$ " + " ".join(args), flush=True)
     subprocess.run(args, check=True)
+
+
+def lazy_start(work: Path, registry, ref: str) -> None:
+    """shoal node as containerd's proxy snapshotter; shoal pull; ctr run."""
+    short = Path(tempfile.mkdtemp(prefix="shoal-demo-", dir="/tmp"))  # unix sockets want short paths
+    node = ctd = None
+    try:
+        step("starting shoal node (containerd's proxy snapshotter) and containerd with it")
+        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
+        snippet = (ROOT / "deploy/containerd/config.toml").read_text().replace(
+            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
+        ctd = start_containerd(short / "ctd", extra_config=snippet)
+        before = registry.count("GET", "/blobs/")[1]
+        step("shoal pull: manifest and config into containerd, layers lazy")
+        run(SHOAL, "pull", ref, "--address", ctd.address, "--namespace", "shoal-test")
+        step("ctr run --snapshotter shoal: the container starts and reads only what it touches")
+        cmd = ["/usr/bin/python3", "-c", "print('hello from a lazy image')"]
+        print(ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, "demo", *cmd).stdout, end="")
+        fetched = registry.count("GET", "/blobs/")[1] - before
+        run(SHOAL, "status", "--root", str(short / "root"))
+        print(f"\nbytes fetched from the registry for this start: {fetched:,}")
+    finally:
+        if ctd is not None:
+            ctd.stop()
+        if node is not None:
+            node.stop()
+        FSClient(str(short / "root")).stop()
+        subprocess.run(["rm", "-rf", str(short)], check=False)
 
 
 def main() -> int:
@@ -54,6 +84,7 @@ def main() -> int:
             run(SHOAL, "inspect", "--plain-http", "--verify", dst)
             step("converting again changes nothing (same digest)")
             run(SHOAL, "convert", "--plain-http", dst, f"docker://{registry.host}/demo/python:again")
+            lazy_start(work, registry, dst.removeprefix("docker://"))
         finally:
             registry.stop()
     return 0
