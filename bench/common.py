@@ -94,3 +94,115 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def emit_json(figures: dict) -> None:
     """The one JSON object a benchmark prints with --json."""
     print(json.dumps(figures, indent=2, sort_keys=True))
+
+
+# --- network namespaces with a rate-limited loopback (bench/lazy_start.py) ---------------
+
+from typing import Self
+
+
+class NetNamespace:
+    """A network namespace of the benchmark's own, with `lo` up and optionally a tbf rate
+    limit on it: traffic between processes on 127.0.0.1 inside is limited (unix sockets
+    are not, and no veth or outside address is involved).
+
+    `.prefix` runs a command inside: `nsenter --net=/run/netns/NAME` enters the network
+    namespace only. (`ip netns exec` also gives each command a new mount namespace, so a
+    FUSE mount made by one process would not be seen by another: containerd could not
+    stack overlays on shoal's mounts.) nsenter execs, so a Popen's pid is the command's.
+
+    `.delete()` kills (by PID) whatever still runs inside and deletes the namespace;
+    idempotent. Use as a context manager.
+    """
+
+    def __init__(self, name: str, rate: str | None = None, burst: str = "512kb", latency: str = "50ms") -> None:
+        self.name, self.rate, self.burst, self.latency = name, rate, burst, latency
+        self.created = False
+
+    @property
+    def path(self) -> str:
+        return f"/run/netns/{self.name}"
+
+    @property
+    def prefix(self) -> list[str]:
+        return ["nsenter", f"--net={self.path}", "--"]
+
+    def create(self) -> Self:
+        run(["ip", "netns", "add", self.name])
+        self.created = True
+        run(["ip", "-n", self.name, "link", "set", "lo", "up"])
+        if self.rate:
+            run(["tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate,
+                 "burst", self.burst, "latency", self.latency])
+        return self
+
+    def qdisc(self) -> str:
+        return run(["tc", "-n", self.name, "qdisc", "show", "dev", "lo"], text=True).stdout.strip()
+
+    def pids(self) -> list[int]:
+        proc = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False)
+        return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+    def delete(self) -> None:
+        if not self.created:
+            return
+        kill_pids(self.pids())
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        self.created = False
+
+    def __enter__(self) -> Self:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete()
+
+
+def kill_pids(pids: Sequence[int], grace: float = 5.0) -> None:
+    """SIGTERM each pid, SIGKILL those still alive after `grace` seconds."""
+    import signal
+
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.05)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap our own children
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Processes (other than this one) whose command line contains `text`, e.g. a private
+    work directory: everything the benchmark started there, daemons' children included."""
+    needle, own, out = text.encode(), os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if needle in fh.read():
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out

@@ -19,7 +19,6 @@ from concurrent.futures import Future
 from typing import Protocol, Sequence
 
 from builder.zstdchunked import Chunk, decode_chunk
-from cache.origin import merge_ranges
 from cache.source import BlobRef, FetchChain
 from shoal.errors import ShoalError
 
@@ -51,6 +50,10 @@ class MemoryChunkCache:
             if data is not None:
                 self._data.move_to_end(digest)
             return data
+
+    def contains(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._data
 
     def put(self, digest: str, data: bytes) -> None:
         with self._lock:
@@ -92,17 +95,63 @@ class SingleFlight:
             fut.set_result(data)
 
 
-class NodeChunkLoader:
-    """A builder.zstdchunked.ChunkLoader for one layer blob on a node."""
+READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
+READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
+READAHEAD_GAP = 64 << 10
 
-    def __init__(self, blob: BlobRef, chain: FetchChain, cache: ChunkCache, flight: SingleFlight, layer: str):
+
+class NodeChunkLoader:
+    """A builder.zstdchunked.ChunkLoader for one layer blob on a node.
+
+    Read-ahead: a fetch also takes the chunks that follow the requested ones in the
+    blob, up to READAHEAD_BYTES of compressed data in the same range request. Files are
+    in tar order, so these are the next files of the same directory: a program that
+    imports a package reads them next, and one request serves many small files.
+    """
+
+    def __init__(self, blob: BlobRef, chain: FetchChain, cache: ChunkCache, flight: SingleFlight, layer: str,
+                 readahead: int = READAHEAD_BYTES):
         self.blob = blob
         self.chain = chain
         self.cache = cache
         self.flight = flight
         self.layer = layer
+        self.readahead = readahead
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # compressed bytes that came over the network
+        self.readahead_chunks = 0
+        self._order: list[Chunk] = []  # every chunk of the layer by blob offset
+        self._position: dict[int, int] = {}
+
+    def set_layout(self, chunks: Sequence[Chunk]) -> None:
+        """The layer's chunks (from its TOC), so fetches can read ahead in blob order."""
+        unique = {c.start: c for c in chunks if c.digest and not c.zeros}
+        self._order = [unique[k] for k in sorted(unique)]
+        self._position = {c.start: i for i, c in enumerate(self._order)}
+
+    def _read_ahead(self, mine: list[tuple[int, Chunk]]) -> list[Chunk]:
+        """Chunks after the requested ones worth fetching in the same request (claimed)."""
+        if not self._order or self.readahead <= 0:
+            return []
+        last = max(mine, key=lambda ic: ic[1].start)[1]
+        pos = self._position.get(last.start)
+        if pos is None:
+            return []
+        budget, end, extras = self.readahead, last.end, []
+        contains = getattr(self.cache, "contains", None)
+        for c in self._order[pos + 1 : pos + 257]:
+            size = c.end - c.start
+            if c.start - end > READAHEAD_GAP or size > budget or size > READAHEAD_CHUNK:
+                break
+            end = c.end
+            if contains is not None and contains(c.digest):
+                continue
+            fut, owner = self.flight.claim(c.digest)
+            if not owner:
+                continue
+            extras.append(c)
+            budget -= size
+        return extras
 
     def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]:
         results: dict[int, bytes] = {}
@@ -119,7 +168,8 @@ class NodeChunkLoader:
             else:
                 waiting.append((i, fut))
         if mine:
-            self._fetch(mine, results, what)
+            extras = self._read_ahead(mine)
+            self._fetch(mine + [(-1, c) for c in extras], results, what)
         for i, fut in waiting:
             try:
                 results[i] = fut.result(timeout=600)
@@ -143,11 +193,12 @@ class NodeChunkLoader:
         for (i, c), raw in zip(mine, raws):
             key = c.digest or f"{self.blob.digest}@{c.start}"
             try:
-                data = decode_chunk(c, raw, f"{what} in {self.layer}")
+                data = decode_chunk(c, raw, f"{what} in {self.layer}" if i >= 0 else f"read-ahead in {self.layer}")
             except ShoalError as e:
                 log.error("%s (fetched from %s)", e, self.blob)
                 self.flight.resolve(key, error=e)
-                first_error = first_error or e
+                if i >= 0:
+                    first_error = first_error or e
                 continue
             if c.digest:
                 try:
@@ -156,10 +207,12 @@ class NodeChunkLoader:
                     log.warning("%s: cannot store chunk %s: %s", self.layer, c.digest, e)
             self.fetched_chunks += 1
             self.fetched_bytes += len(raw)
-            results[i] = data
+            if i >= 0:
+                results[i] = data
+            else:
+                self.readahead_chunks += 1
             self.flight.resolve(key, data=data)
         if first_error is not None:
             raise first_error
 
 
-__all__ = ["NodeChunkLoader", "SingleFlight", "MemoryChunkCache", "ChunkCache", "merge_ranges"]

@@ -225,3 +225,49 @@ def test_corrupted_chunk_at_the_registry_is_eio_with_a_log_line(image, node, tmp
         assert layers.fs.status()["layers"][0]["errors"] >= 1
     finally:
         data_file.write_bytes(original)
+
+
+def test_registry_down_is_eio_after_bounded_retries(tmp_path, node):
+    """A read whose chunk cannot be fetched fails with EIO and a log line; it does not hang."""
+    (tmp_path / "registry").mkdir()
+    registry = start_registry(tmp_path / "registry", None)
+    try:
+        layers, _ = node
+        root = tmp_path / "tree"
+        (root / "data").mkdir(parents=True)
+        (root / "data/big").write_bytes(os.urandom(3 << 20))
+        src = f"docker://{registry.host}/down/img:gzip"
+        build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(tmp_path))
+        dst = f"docker://{registry.host}/down/img:chunked"
+        convert(src, dst, plain_http=True)
+        with open_source(dst, plain_http=True) as s:
+            layer = json.loads(s.get_root().data)["layers"][0]
+        path = Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path)
+    finally:
+        registry.stop()
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(OSError) as err:
+        (path / "data/big").read_bytes()
+    assert err.value.errno == errno.EIO
+    assert time.monotonic() - start < 120  # bounded (retries with timeouts), not a hang
+    log = Path(layers.root, "logs", "fs.log").read_text()
+    assert any("ERROR" in line and "data/big" in line and layer["digest"] in line for line in log.splitlines())
+
+
+def test_registry_credentials_come_from_docker_config(basic_registry, docker_config, node, tmp_path):
+    """A private registry: the node fetches TOC and chunks with the docker config.json credentials."""
+    layers, _ = node
+    docker_config.login(basic_registry.host, basic_registry.username, basic_registry.password)
+    root = tmp_path / "tree"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/secret").write_text("private content\n")
+    src = f"docker://{basic_registry.host}/private/img:gzip"
+    build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(tmp_path))
+    dst = f"docker://{basic_registry.host}/private/img:chunked"
+    convert(src, dst, plain_http=True)
+    with open_source(dst, plain_http=True) as s:
+        layer = json.loads(s.get_root().data)["layers"][0]
+    path = Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path)
+    assert (path / "etc/secret").read_text() == "private content\n"

@@ -90,6 +90,8 @@ class LayerFS(pyfuse3.Operations):
             toc = parse_toc(f.read(), blob.size)
         name = f"layer {blob.digest} of {meta.get('image', '?')}"
         loader = self.make_loader(blob, name)
+        if hasattr(loader, "set_layout"):
+            loader.set_layout([c for e in toc.files() for c in e.chunks])
         view = LayerView(LayerReader(toc, loader=loader, layer=name))
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
@@ -122,6 +124,7 @@ class LayerFS(pyfuse3.Operations):
                 "reads": layer.reads, "read_bytes": layer.read_bytes, "errors": layer.errors,
                 "fetched_chunks": getattr(loader, "fetched_chunks", 0),
                 "fetched_bytes": getattr(loader, "fetched_bytes", 0),
+                "readahead_chunks": getattr(loader, "readahead_chunks", 0),
             })
         return {"layers": layers, "uptime_s": round(time.time() - self.started, 1)}
 
@@ -195,14 +198,20 @@ class LayerFS(pyfuse3.Operations):
         return inode
 
     async def readdir(self, fh, start_id, token):
+        # Attributes are computed only for the entries this call returns: a large
+        # directory is listed over many calls, each resuming at start_id.
         if fh == pyfuse3.ROOT_INODE:
-            entries = [(lid, self._layer_root_attrs(layer)) for lid, layer in sorted(self.layers.items())]
-        else:
-            layer, node = self._resolve(fh)
-            entries = [(name, self._attrs(layer, child)) for name, child in layer.view.listdir(node)]
+            layers = sorted(self.layers.items())
+            for i in range(start_id, len(layers)):
+                lid, layer = layers[i]
+                if not pyfuse3.readdir_reply(token, os.fsencode(lid), self._layer_root_attrs(layer), i + 1):
+                    break
+            return
+        layer, node = self._resolve(fh)
+        entries = layer.view.listdir(node)
         for i in range(start_id, len(entries)):
-            name, attrs = entries[i]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), attrs, i + 1):
+            name, child = entries[i]
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(layer, child), i + 1):
                 break
 
     async def releasedir(self, fh):

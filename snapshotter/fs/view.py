@@ -59,6 +59,7 @@ class LayerView:
                     listing[name] = Node(child, reader.ino[child])  # a real entry wins over a whiteout
             self.children[parent] = listing
         self.max_ino = next_ino
+        self._listings: dict[str, list[tuple[str, Node]]] = {}
 
     def node(self, ino: int) -> Node | None:
         return self.nodes.get(ino)
@@ -67,7 +68,11 @@ class LayerView:
         return self.children.get(parent.path, {}).get(name)
 
     def listdir(self, node: Node) -> list[tuple[str, Node]]:
-        return list(self.children.get(node.path, {}).items())
+        """The directory's entries, in a stable order (readdir offsets index into it)."""
+        listing = self._listings.get(node.path)
+        if listing is None:
+            listing = self._listings[node.path] = list(self.children.get(node.path, {}).items())
+        return listing
 
     def stat(self, node: Node) -> Stat:
         if node.whiteout:
