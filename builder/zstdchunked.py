@@ -1012,14 +1012,24 @@ class LayerReader:
         chunks = self.chunks_for(path, offset, size)
         if not chunks:
             return b""
-        datas = self.load_chunks(chunks, path)
-        out = bytearray()
-        end = offset + size
-        for c, data in zip(chunks, datas):
-            lo = max(offset, c.file_offset) - c.file_offset
-            hi = min(end, c.file_offset + c.size) - c.file_offset
-            out += data[lo:hi]
-        return bytes(out)
+        return _slice_chunks(chunks, self.load_chunks(chunks, path), offset, size)
+
+    def read_cached(self, path: str, offset: int, size: int) -> bytes | None:
+        """Like read(), but only from chunks already decompressed in memory; None if any
+        chunk would have to be loaded (lets an event loop answer without a thread)."""
+        if offset < 0 or size < 0:
+            raise OSError(22, "Invalid argument", path)
+        chunks = self.chunks_for(path, offset, size)
+        with self._lock:
+            datas = []
+            for c in chunks:
+                data = self._cache.get((c.start, c.end))
+                if data is None:
+                    if not c.zeros:
+                        return None
+                    data = bytes(c.size)
+                datas.append(data)
+        return _slice_chunks(chunks, datas, offset, size)
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:
         """Decompressed, verified bytes of each chunk (fetching the missing ones at once)."""
@@ -1047,6 +1057,18 @@ class LayerReader:
                 while len(self._cache) > self._cache_max:
                     self._cache.popitem(last=False)
         return [result[(c.start, c.end)] for c in chunks]
+
+
+def _slice_chunks(chunks: Sequence[Chunk], datas: Sequence[bytes], offset: int, size: int) -> bytes:
+    """Bytes [offset, offset+size) of a file from the contents of the chunks covering it."""
+    end = offset + size
+    if len(chunks) == 1:
+        c = chunks[0]
+        return datas[0][max(offset, c.file_offset) - c.file_offset : min(end, c.file_offset + c.size) - c.file_offset]
+    out = bytearray()
+    for c, data in zip(chunks, datas):
+        out += data[max(offset, c.file_offset) - c.file_offset : min(end, c.file_offset + c.size) - c.file_offset]
+    return bytes(out)
 
 
 def decode_chunk(c: Chunk, raw: bytes, what: str) -> bytes:

@@ -9,7 +9,7 @@ from typing import Callable
 
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
-from snapshotter.fetch import MemoryChunkCache, NodeChunkLoader, SingleFlight
+from snapshotter.fetch import MemoryChunkCache, NodeChunkLoader, SingleFlight, WriteBehind
 
 log = logging.getLogger("shoal.node")
 
@@ -43,6 +43,8 @@ def make_store(root: str, config: dict):
 def make_loader_factory(root: str, config: dict) -> tuple[Callable[[BlobRef, str], NodeChunkLoader], Callable[[], dict]]:
     chain = make_chain(config)
     store = make_store(root, config)
+    if not isinstance(store, MemoryChunkCache):
+        store = WriteBehind(store)
     flight = SingleFlight()
 
     def factory(blob: BlobRef, name: str) -> NodeChunkLoader:

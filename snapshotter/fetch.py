@@ -66,6 +66,74 @@ class MemoryChunkCache:
                 self._size -= len(old)
 
 
+class WriteBehind:
+    """Puts chunks into a store from a thread of its own, so reads never wait on disk.
+
+    Until a chunk is written it is served from memory (get/contains see it). Memory is
+    bounded: past `limit` pending bytes, put() waits for the writer. A chunk that fails
+    to be written (a full disk) is dropped with a log line: it is fetched again if needed.
+    """
+
+    def __init__(self, store, limit: int = 256 << 20):
+        self.store = store
+        self._pending: dict[str, bytes] = {}
+        self._bytes = 0
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._queue: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="shoal-store-writer", daemon=True)
+        self._thread.start()
+
+    def get(self, digest: str) -> bytes | None:
+        with self._cond:
+            data = self._pending.get(digest)
+        return data if data is not None else self.store.get(digest)
+
+    def contains(self, digest: str) -> bool:
+        with self._cond:
+            if digest in self._pending:
+                return True
+        return self.store.contains(digest)
+
+    def put(self, digest: str, data: bytes) -> None:
+        with self._cond:
+            if digest in self._pending:
+                return
+            while self._bytes > self._limit:
+                self._cond.wait()
+            self._pending[digest] = data
+            self._bytes += len(data)
+            self._queue.append(digest)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                digest = self._queue.pop(0)
+                data = self._pending[digest]
+            try:
+                self.store.put(digest, data)
+            except Exception as e:  # noqa: BLE001 - a chunk not stored is fetched again later
+                log.warning("cannot store chunk %s: %s", digest, e)
+            with self._cond:
+                del self._pending[digest]
+                self._bytes -= len(data)
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until everything put has been written (tests, shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._pending, timeout)
+
+    def statistics(self) -> dict:
+        out = dict(self.store.statistics()) if hasattr(self.store, "statistics") else {}
+        with self._cond:
+            out["pending_writes"] = len(self._pending)
+        return out
+
+
 class SingleFlight:
     """Shared by every layer of a node: which chunk digests are being fetched now."""
 

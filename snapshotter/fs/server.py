@@ -27,7 +27,7 @@ import signal
 import stat as statmod
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
@@ -56,6 +56,7 @@ class Layer:
     reads: int = 0
     read_bytes: int = 0
     errors: int = 0
+    attrs: dict = field(default_factory=dict)  # inode -> EntryAttributes
 
 
 def layer_dir(root: str, layer_id: str) -> str:
@@ -73,6 +74,22 @@ class LayerFS(pyfuse3.Operations):
         self.by_number: dict[int, Layer] = {}
         self._next_number = 1
         self.started = time.time()
+        self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
+        for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
+            setattr(self, name, self._timed(name, getattr(self, name)))
+
+    def _timed(self, name: str, fn):
+        counter = self.ops.setdefault(name, [0, 0.0])
+
+        async def op(*args):
+            start = time.perf_counter()
+            try:
+                return await fn(*args)
+            finally:
+                counter[0] += 1
+                counter[1] += time.perf_counter() - start
+
+        return op
 
     # --- layers -------------------------------------------------------------------------
 
@@ -126,7 +143,8 @@ class LayerFS(pyfuse3.Operations):
                 "fetched_bytes": getattr(loader, "fetched_bytes", 0),
                 "readahead_chunks": getattr(loader, "readahead_chunks", 0),
             })
-        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1)}
+        ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
+        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops}
 
     # --- inode plumbing -------------------------------------------------------------------
 
@@ -138,6 +156,14 @@ class LayerFS(pyfuse3.Operations):
         return layer, node
 
     def _attrs(self, layer: Layer, node: Node) -> pyfuse3.EntryAttributes:
+        # Layers are immutable: each inode's attributes are computed once.
+        cached = layer.attrs.get(node.ino)
+        if cached is not None:
+            return cached
+        attrs = layer.attrs[node.ino] = self._make_attrs(layer, node)
+        return attrs
+
+    def _make_attrs(self, layer: Layer, node: Node) -> pyfuse3.EntryAttributes:
         st = layer.view.stat(node)
         a = pyfuse3.EntryAttributes()
         a.st_ino = (layer.number << LAYER_SHIFT) | node.ino
@@ -187,7 +213,13 @@ class LayerFS(pyfuse3.Operations):
         layer, node = self._resolve(parent_inode)
         child = layer.view.lookup(node, text)
         if child is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            # A negative entry the kernel may cache (inode 0): programs probe many paths
+            # that do not exist (an import searches every sys.path entry), and through
+            # overlayfs each probe would otherwise reach this process once per layer.
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0
+            negative.entry_timeout = TIMEOUT
+            return negative
         return self._attrs(layer, child)
 
     async def opendir(self, inode, ctx):
@@ -228,8 +260,13 @@ class LayerFS(pyfuse3.Operations):
     async def read(self, fh, off, size):
         layer, node = self._resolve(fh)
         layer.reads += 1
+        reader = layer.view.reader
         try:
-            data = await trio.to_thread.run_sync(layer.view.reader.read, node.path, off, size)
+            # Chunks already decompressed in memory are served here; anything that must
+            # be loaded (store, network) goes to a worker thread.
+            data = reader.read_cached(node.path, off, size)
+            if data is None:
+                data = await trio.to_thread.run_sync(reader.read, node.path, off, size)
         except ShoalError as e:
             layer.errors += 1
             log.error("read %s offset %d size %d of %s: %s", node.path, off, size, layer.blob.digest, e)
@@ -398,6 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", default="{}", help="node configuration, as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shoal-fs %(levelname)s %(message)s", stream=sys.stderr)
+    profile = os.environ.get("SHOAL_FS_PROFILE")  # a developer's aid: cProfile output path
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(run, os.path.abspath(args.root), json.loads(args.config_json))
+        finally:
+            prof.dump_stats(profile)
     return run(os.path.abspath(args.root), json.loads(args.config_json))
 
 
