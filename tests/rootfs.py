@@ -93,3 +93,23 @@ def delta_layer(root: Path) -> Path:
     (root / "etc").mkdir()
     (root / "etc/motd").write_text("changed by the top layer\n")
     return root
+
+
+def special_layer(root: Path, entries: int = 3000) -> Path:
+    """Device nodes, a sparse file, an empty directory and a large directory."""
+    dev = root / "dev"
+    dev.mkdir(parents=True)
+    os.mknod(dev / "null", 0o020666, os.makedev(1, 3))  # character device
+    os.mknod(dev / "loop9", 0o060660, os.makedev(7, 9))  # block device
+    big = root / "var/sparse"
+    big.parent.mkdir(parents=True)
+    with open(big, "wb") as f:
+        f.truncate(6 << 20)  # a 6 MiB hole ...
+        f.seek(6 << 20)
+        f.write(b"end of a sparse file\n")  # ... then data
+    (root / "var/empty-dir").mkdir()
+    many = root / "var/many"
+    many.mkdir()
+    for i in range(entries):
+        (many / f"entry-{i:05d}").write_text(f"{i}\n")
+    return root

@@ -22,7 +22,7 @@ from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
 from shoal.errors import DigestMismatch
 from snapshotter import remote
 from snapshotter.remote import RemoteLayers
-from tests.rootfs import busybox_layer, delta_layer, python_layer
+from tests.rootfs import busybox_layer, delta_layer, python_layer, special_layer
 from tests.services import start_registry
 
 pytestmark = [pytest.mark.registry]
@@ -58,7 +58,8 @@ def image(module_registry, tmp_path_factory):
     gzip and converted."""
     registry = module_registry
     root = tmp_path_factory.mktemp("lazy image")
-    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
+    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3"),
+              special_layer(root / "l4")]
     src = f"docker://{registry.host}/lazy/img:gzip"
     build_image([str(p) for p in layers], src, ImageConfig(), plain_http=True, workdir=str(root))
     dst = f"docker://{registry.host}/lazy/img:chunked"
@@ -160,6 +161,14 @@ def test_overlay_of_lazy_layers_equals_tar_x(image, node, tmp_path):
     assert os.stat(merged / "data/setuid").st_mode & stat.S_ISUID
     assert (os.stat(merged / "data/with space.txt").st_uid, os.stat(merged / "data/with space.txt").st_gid) == (
         1234, 5678)
+    # device nodes, a sparse file, a large directory, statfs
+    assert stat.S_ISCHR(os.lstat(merged / "dev/null").st_mode) and os.lstat(merged / "dev/null").st_rdev == os.makedev(1, 3)
+    assert stat.S_ISBLK(os.lstat(merged / "dev/loop9").st_mode)
+    sparse = (merged / "var/sparse").read_bytes()
+    assert sparse[: 6 << 20] == bytes(6 << 20) and sparse[6 << 20 :] == b"end of a sparse file\n"
+    assert len(os.listdir(merged / "var/many")) == 3000 and os.listdir(merged / "var/empty-dir") == []
+    vfs = os.statvfs(lowers[0])
+    assert vfs.f_bsize == 4096 and vfs.f_files > 3000
     # a program runs from the lazy layers
     out = subprocess.run([str(merged / "usr/bin/python3.11"), "-c", "print(6*7)"], capture_output=True, text=True)
     assert out.stdout == "42\n"
@@ -271,3 +280,21 @@ def test_registry_credentials_come_from_docker_config(basic_registry, docker_con
         layer = json.loads(s.get_root().data)["layers"][0]
     path = Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path)
     assert (path / "etc/secret").read_text() == "private content\n"
+
+
+def test_cri_labels_alone_find_the_toc_through_the_manifest(image, node):
+    """containerd's CRI sends image ref, layer digest and manifest digest only: the node
+    fetches the manifest (verified by its digest) for the layer's TOC annotations."""
+    registry, ref, manifest, _ = image
+    layers, _ = node
+    with open_source(f"docker://{ref}", plain_http=True) as s:
+        manifest_digest = s.get_root().digest
+    layer = manifest["layers"][0]
+    labels = {
+        remote.LABEL_CRI_IMAGE_REF: ref,
+        remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
+        remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
+    }
+    provided = layers.prepare("t", "", labels)
+    assert provided.kind == "lazy"
+    assert (Path(provided.path) / "etc/motd").read_text() == "hello from a shoal test image\n"
