@@ -298,3 +298,53 @@ def test_cri_labels_alone_find_the_toc_through_the_manifest(image, node):
     provided = layers.prepare("t", "", labels)
     assert provided.kind == "lazy"
     assert (Path(provided.path) / "etc/motd").read_text() == "hello from a shoal test image\n"
+
+
+def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
+    """`shoal region` in front of the origin; two nodes configured with it read the same
+    file: the origin serves the blob once (to the region), the second node's reads are
+    region hits."""
+    import signal
+    import sys
+
+    import requests
+
+    from tests.services import free_port, stop_process
+
+    registry, ref, manifest, _ = image
+    python = manifest["layers"][1]
+    port = free_port()
+    log_path = tmp_path / "region.log"
+    with open(log_path, "wb") as log:
+        region = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", registry.url,
+             "--store", str(tmp_path / "region store")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+        )
+    nodes = []
+    try:
+        assert "serving" in region.stdout.readline().decode(), log_path.read_text()
+        url = f"http://127.0.0.1:{port}"
+        origin_before = registry.count("GET", f"/blobs/{python['digest']}")
+        datas = []
+        for i in range(2):
+            n = RemoteLayers(str(tmp_path / f"node {i}"), {"region_url": url})
+            nodes.append(n)
+            path = Path(n.prepare("t", "", layer_labels(ref, python)).path)
+            datas.append((path / "usr/bin/python3.11").read_bytes())
+            sources = n.fs.status()["store"]["sources"]
+            assert sources["region"]["bytes"] > 0 and "origin" not in sources, sources
+        assert datas[0] == datas[1] and datas[0] == Path("/usr/bin/python3.11").read_bytes()
+        gets, _ = registry.count("GET", f"/blobs/{python['digest']}")
+        # the nodes fetched the TOC from the origin themselves (2 small range GETs); the
+        # region fetched the blob once for everything else
+        assert gets - origin_before[0] <= 3
+        status = requests.get(f"{url}/-/status", timeout=10).json()
+        assert status["hits"] > 0
+        region.send_signal(signal.SIGTERM)
+        region.wait(timeout=20)
+    finally:
+        for n in nodes:
+            n.fs.stop()
+        stop_process(region)
+        region.stdout.close()
