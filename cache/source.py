@@ -45,6 +45,13 @@ class BlobRef:
         return f"{self.registry}/{self.repository}@{self.digest}"
 
 
+class Held(bytes):
+    """Bytes a source keeps on the node itself (the swarm's torrent storage): a caller
+    that caches what it reads need not store a second copy."""
+
+    __slots__ = ()
+
+
 class NotHere(ShoalError):
     """This source does not have the blob; try the next one."""
 

@@ -12,6 +12,7 @@ APT_PACKAGES=(
   skopeo podman                     # zstd:chunked interop checks
   apache2-utils openssl             # htpasswd and token auth for the registry tests
   iproute2                          # network namespaces for swarm tests
+  aria2                             # a stock BitTorrent client for the swarm interop test
   debootstrap                       # the Debian base of the torch test/bench image
   golang-go golang-github-containerd-containerd-dev  # containerd's snapshotter conformance suite (tests/conformance)
 )

@@ -4,6 +4,7 @@ module level, so `shoal` works without the node's dependencies installed."""
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import logging
 import signal
@@ -35,7 +36,13 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     from snapshotter.remote import RemoteLayers
 
-    remote = RemoteLayers(args.root, asdict(config.fetch))
+    data_path = asdict(config.fetch)
+    if config.swarm:
+        from p2p.swarm import SwarmConfig
+
+        SwarmConfig.from_dict(config.swarm)  # unknown keys: a one-line error now, not in the fs server
+        data_path["swarm"] = {"storage": os.path.join(os.path.abspath(args.root), "swarm"), **config.swarm}
+    remote = RemoteLayers(args.root, data_path)
     node = Node(args.root, args.socket, config, remote=remote)
     node.start()
     try:

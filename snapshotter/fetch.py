@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import Protocol, Sequence
 
 from builder.zstdchunked import Chunk, decode_chunk
-from cache.source import BlobRef, FetchChain
+from cache.source import BlobRef, FetchChain, Held
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.fetch")
@@ -268,7 +268,7 @@ class NodeChunkLoader:
                 if i >= 0:
                     first_error = first_error or e
                 continue
-            if c.digest:
+            if c.digest and not isinstance(raw, Held):  # the swarm keeps its own copy
                 try:
                     self.cache.put(c.digest, data)
                 except OSError as e:  # a full disk must not fail the read

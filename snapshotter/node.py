@@ -61,6 +61,9 @@ class NodeConfig:
 
     snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    # [swarm]: the libtorrent swarm (p2p.swarm.SwarmConfig documents and checks its keys
+    # when the layer file system starts; `enabled = true` turns it on).
+    swarm: dict = field(default_factory=dict)
 
 
 def _typed(value: object, hint: object, where: str) -> object:

@@ -1,0 +1,4 @@
+"""The region side of the swarm: tracker, metadata service (server.py), and the node's
+client for the metadata service (client.py). The peer table is pure (peers.py)."""
+
+PREFIX = "/p2p"  # where the region mounts the swarm service

@@ -1,0 +1,195 @@
+"""The tracker's peer table, pure (no I/O): who is in which swarm, and whom to tell.
+
+Vocabulary: a *swarm* is the set of peers announcing one info hash; a *peer* is one
+node's libtorrent session, keyed by the address others reach it at (ip, port), so a
+restarted node replaces its old entry instead of adding a ghost.
+
+Rules (HTTP announce, BEP 3):
+- `started` or a regular announce adds or refreshes the peer; `stopped` removes it;
+  `completed` counts a download. A peer is forgotten `peer_ttl` seconds after its last
+  announce (default 2.5 announce intervals: one lost announce is not enough).
+- The answer lists up to `numwant` (capped at `max_answer`) other peers, chosen at
+  random so that a fan-out of many nodes spreads over the swarm instead of piling
+  onto its first members; a seed (left == 0) is told only about peers still
+  downloading, since seeds have nothing to exchange.
+- Ranks (shoal's own addition, not BitTorrent): a node downloading a whole blob asks
+  for its rank among the nodes doing the same (rank()), and repeats while it downloads;
+  an entry not renewed within `rank_ttl` seconds is dropped. Ranks are 0..n-1 in
+  order of arrival; a leaver's rank goes to the last arrival. With a consistent hash
+  over ranks (jump_hash), every node computes the same owner for each part of the blob
+  that nobody has yet, so the region serves it once however many nodes there are and
+  however few of them any one node is connected to; and a node arriving or leaving
+  moves only about 1/n of the parts to another owner.
+- The table is soft state. After a tracker restart it is empty until the peers'
+  next announces (at most one interval): connected peers keep their connections
+  meanwhile, and nodes read from the region for what no connected peer has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+EVENTS = ("", "started", "stopped", "completed", "paused")
+
+
+def jump_hash(key: int, buckets: int) -> int:
+    """Lamping and Veach's jump consistent hash: key -> 0..buckets-1, uniform, and
+    growing buckets by one moves only 1/buckets of the keys (all to the new bucket)."""
+    b, j = -1, 0
+    while j < buckets:
+        b = j
+        key = (key * 2862933555777941757 + 1) & 0xFFFFFFFFFFFFFFFF
+        j = int((b + 1) * ((1 << 31) / ((key >> 33) + 1)))
+    return b
+
+
+def extent_key(info_hash: bytes, extent: int) -> int:
+    return int.from_bytes(hashlib.blake2b(info_hash + extent.to_bytes(8, "big"), digest_size=8).digest(), "big")
+
+
+def rendezvous(info_hash: bytes, extent: int, ip: str) -> bytes:
+    """Highest-random-weight score of a node for an extent (a node's own view, when
+    the tracker gives no rank: few candidates, so the O(candidates) cost is fine)."""
+    return hashlib.blake2b(info_hash + extent.to_bytes(8, "big") + ip.encode(), digest_size=8).digest()
+
+
+@dataclass
+class Peer:
+    ip: str
+    port: int
+    left: int
+    seen: float
+
+
+@dataclass
+class Answer:
+    peers: list[tuple[str, int]]
+    complete: int
+    incomplete: int
+
+
+@dataclass
+class PeerTable:
+    interval: int = 60  # seconds between announces we ask of peers
+    min_interval: int = 10  # the shortest we accept (forced reannounces)
+    peer_ttl: float | None = None
+    max_answer: int = 100
+    max_swarm: int = 100_000
+    rng: random.Random = field(default_factory=random.Random)
+
+    rank_ttl: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.peer_ttl is None:
+            self.peer_ttl = 2.5 * self.interval
+        self._swarms: dict[bytes, dict[tuple[str, int], Peer]] = {}
+        self._downloads: dict[bytes, int] = {}
+        self._bulk: dict[bytes, dict[tuple[str, int], float]] = {}  # info hash -> {(ip, port): last ask}
+        self._ranks: dict[bytes, list[tuple[str, int]]] = {}  # info hash -> downloaders by rank
+        self.announces = 0
+        self.rank_requests = 0
+
+    def rank(self, info_hash: bytes, ip: str, port: int, now: float) -> tuple[int, int]:
+        """(rank, number) of this downloader among those of the swarm (see the module doc)."""
+        if len(info_hash) != 20:
+            raise ValueError("info_hash must be 20 bytes")
+        self.rank_requests += 1
+        key = (ip, port)
+        bulk = self._bulk.setdefault(info_hash, {})
+        ranks = self._ranks.setdefault(info_hash, [])
+        limit = now - self.rank_ttl
+        for k in [k for k, seen in bulk.items() if seen < limit and k != key]:
+            self._drop(info_hash, k)
+        if key not in bulk:
+            ranks.append(key)
+        bulk[key] = now
+        return ranks.index(key), len(ranks)
+
+    def _drop(self, info_hash: bytes, key: tuple[str, int]) -> None:
+        bulk, ranks = self._bulk.get(info_hash), self._ranks.get(info_hash)
+        if not bulk or bulk.pop(key, None) is None:
+            return
+        i = ranks.index(key)
+        last = ranks.pop()
+        if i < len(ranks):
+            ranks[i] = last  # the last arrival takes the leaver's rank: only two nodes' ranks change
+        if not ranks:
+            del self._bulk[info_hash], self._ranks[info_hash]
+
+    def done(self, info_hash: bytes, ip: str, port: int) -> None:
+        """The node stopped downloading the blob (completed or stopped)."""
+        self._drop(info_hash, (ip, port))
+
+    def announce(self, info_hash: bytes, ip: str, port: int, left: int, event: str, numwant: int,
+                 now: float) -> Answer:
+        if len(info_hash) != 20:
+            raise ValueError("info_hash must be 20 bytes")
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} out of range")
+        if event not in EVENTS:
+            raise ValueError(f"unknown event {event!r}")
+        self.announces += 1
+        key = (ip, port)
+        swarm = self._swarms.get(info_hash)
+        if event in ("stopped", "completed") or left == 0:
+            self.done(info_hash, ip, port)
+        if event == "stopped":
+            if swarm is not None:
+                swarm.pop(key, None)
+                if not swarm:
+                    del self._swarms[info_hash]
+            return Answer([], *self._counts(swarm or {}))
+        if swarm is None:
+            swarm = self._swarms[info_hash] = {}
+        if key not in swarm and len(swarm) >= self.max_swarm:
+            self._expire_swarm(swarm, now)
+        if key in swarm or len(swarm) < self.max_swarm:
+            swarm[key] = Peer(ip, port, max(left, 0), now)
+        if event == "completed":
+            self._downloads[info_hash] = self._downloads.get(info_hash, 0) + 1
+        want = max(0, min(numwant, self.max_answer))
+        limit = now - self.peer_ttl
+        others = [p for k, p in swarm.items() if k != key and p.seen >= limit and not (left == 0 and p.left == 0)]
+        chosen = others if len(others) <= want else self.rng.sample(others, want)
+        return Answer([(p.ip, p.port) for p in chosen], *self._counts(swarm))
+
+    @staticmethod
+    def _counts(swarm: dict) -> tuple[int, int]:
+        complete = sum(1 for p in swarm.values() if p.left == 0)
+        return complete, len(swarm) - complete
+
+    def _expire_swarm(self, swarm: dict, now: float) -> None:
+        limit = now - self.peer_ttl
+        for k in [k for k, p in swarm.items() if p.seen < limit]:
+            del swarm[k]
+
+    def expire(self, now: float) -> int:
+        """Forget peers that stopped announcing; returns how many."""
+        gone = 0
+        for info_hash in list(self._swarms):
+            swarm = self._swarms[info_hash]
+            before = len(swarm)
+            self._expire_swarm(swarm, now)
+            gone += before - len(swarm)
+            if not swarm:
+                del self._swarms[info_hash]
+        for info_hash in list(self._bulk):
+            for k in [k for k, seen in self._bulk[info_hash].items() if seen < now - self.rank_ttl]:
+                self._drop(info_hash, k)
+        return gone
+
+    def scrape(self, info_hash: bytes) -> tuple[int, int, int]:
+        """(complete, incomplete, downloaded) of one swarm."""
+        complete, incomplete = self._counts(self._swarms.get(info_hash, {}))
+        return complete, incomplete, self._downloads.get(info_hash, 0)
+
+    def statistics(self) -> dict:
+        return {
+            "swarms": len(self._swarms),
+            "peers": sum(len(s) for s in self._swarms.values()),
+            "announces": self.announces,
+            "downloading": sum(len(b) for b in self._bulk.values()),
+            "rank_requests": self.rank_requests,
+        }

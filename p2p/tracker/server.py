@@ -1,0 +1,397 @@
+"""The region's swarm service: tracker and torrent metadata, as an aiohttp sub-application.
+
+Mount it under PREFIX ("/p2p") in the region's application (or run it alone):
+
+    app.add_subapp(PREFIX, make_app(torrents=BackendTorrents(folder, backend)))
+
+Routes (relative to the mount point):
+
+- `GET /v1/torrents/<digest>[?repo=NAME&ns=REGISTRY]`: the blob's .torrent file
+  (application/x-bittorrent; see p2p/metainfo.py), its announce URL pointing back at
+  this tracker as the client reached it (or `announce_url`). 404 while the region does
+  not have the blob verified (with Retry-After when a fill was started); the metadata
+  is made once per blob, from verified bytes only, in a worker thread, and kept.
+- `GET /v1/announce`: HTTP tracker (BEP 3) with compact peer lists (BEP 23, IPv6 in
+  `peers6` as BEP 7); `compact=0` gets the dictionary model. Failures are bencoded
+  `failure reason` answers with status 200, as clients expect. A peer's address is the
+  address its request came from (an `ip` parameter is ignored unless trust_ip_param),
+  so one node cannot point a swarm at someone else.
+- `GET /v1/scrape?info_hash=...`: BEP 48 counts.
+- `GET /v1/rank?info_hash=...&port=P`: JSON {"rank", "of", "ttl"}: this downloader's
+  rank among the nodes downloading the blob whole (see peers.py); asked again within
+  `ttl` seconds to stay counted. Lets nodes split the first fetch of a blob from the
+  region without seeing each other.
+- `GET /v1/status`: JSON counters (swarms, peers, announces, torrents made/served).
+
+The tracker's table is soft state (p2p/tracker/peers.py): a restart empties it and
+it refills within one announce interval; nodes never depend on it to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+from urllib.parse import unquote_to_bytes
+
+from aiohttp import web
+
+from p2p import bencode, metainfo
+from p2p.tracker import PREFIX
+from p2p.tracker.peers import PeerTable
+from shoal.digest import hex_of, is_digest
+from shoal.errors import DigestMismatch, ShoalError
+
+log = logging.getLogger("shoal.tracker")
+
+TORRENT_TYPE = "application/x-bittorrent"
+DEFAULT_NUMWANT = 50
+
+Authorize = Callable[[str, web.Request], Awaitable[None]]
+SERVICE_KEY = web.AppKey("swarm_service", object)
+_EXPIRY_KEY = web.AppKey("swarm_expiry", object)
+
+
+class TorrentSource(Protocol):
+    """Where the metadata service gets a blob's info dict.
+
+    info() returns the bencoded info dict of `digest`, made from bytes verified against
+    the digest, or None when the blob is not (yet) available; it may raise
+    web.HTTPException (e.g. 403 for a client not allowed to read the blob's repository:
+    metadata names a blob as well as its bytes do). `retry_after` is what a 404 asks the
+    client to wait, when a fill is under way.
+    """
+
+    async def info(self, digest: str, request: web.Request) -> bytes | None: ...
+
+    def statistics(self) -> dict: ...
+
+
+class TorrentCache:
+    """Info dicts on disk (`<folder>/<hex>.info`), each made once however many ask."""
+
+    def __init__(self, folder: str | os.PathLike, piece_size: int | None = None, threads: int = 2) -> None:
+        self.folder = os.fspath(folder)
+        os.makedirs(self.folder, exist_ok=True)
+        self.piece_size = piece_size
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torrent-make")
+        self._making: dict[str, asyncio.Future] = {}
+        self.stats = {"made": 0, "cached": 0, "failed": 0}
+
+    def path(self, digest: str) -> str:
+        return os.path.join(self.folder, hex_of(digest) + ".info")
+
+    def load(self, digest: str) -> bytes | None:
+        try:
+            with open(self.path(digest), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def store(self, digest: str, info: bytes) -> None:
+        tmp = f"{self.path(digest)}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(info)
+        os.replace(tmp, self.path(digest))
+
+    async def get(self, digest: str, make: Callable[[], bytes]) -> bytes:
+        """The cached info dict, or make() it (in a thread; one run per digest)."""
+        info = self.load(digest)
+        if info is not None:
+            self.stats["cached"] += 1
+            return info
+        fut = self._making.get(digest)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = self._making[digest] = loop.run_in_executor(self._pool, self._make, digest, make)
+            fut.add_done_callback(lambda _: self._making.pop(digest, None))
+        return await asyncio.shield(fut)
+
+    def _make(self, digest: str, make: Callable[[], bytes]) -> bytes:
+        start = time.monotonic()
+        try:
+            info = make()
+            metainfo.parse_info(info, digest)
+        except Exception:
+            self.stats["failed"] += 1
+            raise
+        self.store(digest, info)
+        self.stats["made"] += 1
+        log.info("torrent of %s made in %.1fs", digest, time.monotonic() - start)
+        return info
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class FileTorrents:
+    """Metadata for blobs kept as local files: `blob_path(digest)` returns the path of
+    a file already verified against the digest, or None. (The file is hashed again
+    while the torrent is made, so a damaged file yields no metadata.)"""
+
+    def __init__(self, folder: str | os.PathLike, blob_path: Callable[[str], str | None],
+                 piece_size: int | None = None) -> None:
+        self.cache = TorrentCache(folder, piece_size)
+        self._blob_path = blob_path
+
+    async def info(self, digest: str, request: web.Request) -> bytes | None:
+        path = self._blob_path(digest)
+        if path is None:
+            return self.cache.load(digest)
+        piece = self.cache.piece_size
+
+        def make() -> bytes:
+            with open(path, "rb") as fh:
+                return metainfo.make_info(fh, os.fstat(fh.fileno()).st_size, digest, piece)
+
+        return await self.cache.get(digest, make)
+
+    def statistics(self) -> dict:
+        return dict(self.cache.stats)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class BackendTorrents:
+    """Metadata for blobs in a region backend (cache.region.backends.Backend: contains,
+    size, stream). `fill(digest, request)`, if given, is started when the backend does
+    not have the blob: it should bring the blob in through the region's read-through
+    path (with the request's credentials and its repo/ns parameters); meanwhile the
+    answer is 404 with Retry-After."""
+
+    def __init__(self, folder: str | os.PathLike, backend, piece_size: int | None = None,
+                 fill: Callable[[str, web.Request], Awaitable[object]] | None = None, retry_after: int = 2) -> None:
+        self.cache = TorrentCache(folder, piece_size)
+        self.backend = backend
+        self._fill = fill
+        self._fills: dict[str, asyncio.Task] = {}
+        self.retry_after = retry_after
+
+    async def info(self, digest: str, request: web.Request) -> bytes | None:
+        info = self.cache.load(digest)
+        if info is not None:
+            return info
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self.backend.contains, digest):
+            if self._fill is not None and digest not in self._fills:
+                task = asyncio.ensure_future(self._fill(digest, request))
+                self._fills[digest] = task
+                task.add_done_callback(lambda t: (self._fills.pop(digest, None), t.cancelled() or t.exception()))
+            return None
+        return await self.cache.get(digest, lambda: self._make(digest))
+
+    def _make(self, digest: str) -> bytes:
+        size = self.backend.size(digest)
+        builder = metainfo.InfoBuilder(size, self.cache.piece_size)
+        stream = self.backend.stream(digest, 0, size)
+        try:
+            for block in stream:
+                builder.update(block)
+        finally:
+            close = getattr(stream, "close", None)
+            if close:
+                close()
+        return builder.finish(digest)[1]
+
+    def statistics(self) -> dict:
+        return {**self.cache.stats, "fills_running": len(self._fills)}
+
+    def close(self) -> None:
+        for task in self._fills.values():
+            task.cancel()
+        self.cache.close()
+
+
+# --- HTTP ----------------------------------------------------------------------------
+
+
+def parse_query(raw: str) -> dict[str, bytes]:
+    """A query string with binary values (info_hash, peer_id are percent-encoded bytes)."""
+    out: dict[str, bytes] = {}
+    for part in raw.split("&"):
+        if not part:
+            continue
+        key, _, value = part.partition("=")
+        out.setdefault(unquote_to_bytes(key).decode("latin-1"), unquote_to_bytes(value))
+    return out
+
+
+def _failure(reason: str) -> web.Response:
+    return web.Response(body=bencode.encode({"failure reason": reason}), content_type="text/plain")
+
+
+def _int_param(q: dict[str, bytes], key: str, default: int | None = None) -> int:
+    raw = q.get(key)
+    if raw is None:
+        if default is None:
+            raise ValueError(f"missing {key}")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key} is not a number") from None
+
+
+class SwarmService:
+    """The handlers; make_app() wires them into an application."""
+
+    def __init__(self, torrents: TorrentSource | None, table: PeerTable, announce_url: str | None,
+                 trust_ip_param: bool, authorize: Authorize | None = None) -> None:
+        self.torrents = torrents
+        self.authorize = authorize
+        self.table = table
+        self.announce_url = announce_url
+        self.trust_ip_param = trust_ip_param
+        self.stats = {"torrents_served": 0, "torrents_missing": 0, "announce_failures": 0}
+
+    def announce_url_for(self, request: web.Request) -> str:
+        if self.announce_url:
+            return self.announce_url
+        prefix = request.path.rsplit("/v1/", 1)[0]  # where this application is mounted
+        return f"{request.url.origin()}{prefix}/v1/announce"
+
+    async def torrent(self, request: web.Request) -> web.Response:
+        digest = request.match_info["digest"]
+        if not is_digest(digest):
+            raise web.HTTPBadRequest(text=f"malformed digest {digest[:80]!r}\n")
+        if self.torrents is None:
+            raise web.HTTPNotFound(text="no metadata service here\n")
+        if self.authorize is not None:
+            await self.authorize(digest, request)  # raises web.HTTPException to refuse
+        try:
+            info = await self.torrents.info(digest, request)
+        except (DigestMismatch, ShoalError, OSError) as exc:
+            log.error("torrent of %s: %s", digest, exc)
+            raise web.HTTPBadGateway(text=f"cannot make the torrent of {digest}: {exc}\n") from None
+        if info is None:
+            self.stats["torrents_missing"] += 1
+            retry = getattr(self.torrents, "retry_after", None)
+            headers = {"Retry-After": str(retry)} if retry else None
+            raise web.HTTPNotFound(text=f"{digest}: not in the region (yet)\n", headers=headers)
+        self.stats["torrents_served"] += 1
+        return web.Response(body=metainfo.torrent_file(info, self.announce_url_for(request)),
+                            content_type=TORRENT_TYPE)
+
+    def _peer_ip(self, request: web.Request, q: dict[str, bytes]) -> str:
+        if self.trust_ip_param and q.get("ip"):
+            return str(ipaddress.ip_address(q["ip"].decode("ascii")))
+        remote = request.remote or ""
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+            addr = addr.ipv4_mapped
+        return str(addr)
+
+    async def announce(self, request: web.Request) -> web.Response:
+        q = parse_query(request.query_string)
+        try:
+            info_hash = q.get("info_hash", b"")
+            if len(info_hash) != 20:
+                raise ValueError("info_hash must be 20 bytes")
+            port = _int_param(q, "port")
+            left = _int_param(q, "left", 1)
+            numwant = _int_param(q, "numwant", DEFAULT_NUMWANT)
+            event = q.get("event", b"").decode("ascii", "replace")
+            ip = self._peer_ip(request, q)
+            answer = self.table.announce(info_hash, ip, port, left, event, numwant, time.monotonic())
+        except ValueError as exc:
+            self.stats["announce_failures"] += 1
+            return _failure(str(exc))
+        body: dict[str, object] = {
+            "interval": self.table.interval,
+            "min interval": self.table.min_interval,
+            "complete": answer.complete,
+            "incomplete": answer.incomplete,
+        }
+        if q.get("compact", b"1") != b"0":
+            v4, v6 = [], []
+            for peer_ip, peer_port in answer.peers:
+                packed = socket.inet_pton(socket.AF_INET6 if ":" in peer_ip else socket.AF_INET, peer_ip)
+                (v6 if len(packed) == 16 else v4).append(packed + peer_port.to_bytes(2, "big"))
+            body["peers"] = b"".join(v4)
+            if v6:
+                body["peers6"] = b"".join(v6)
+        else:
+            body["peers"] = [{"ip": peer_ip, "port": peer_port} for peer_ip, peer_port in answer.peers]
+        return web.Response(body=bencode.encode(body), content_type="text/plain")
+
+    async def rank(self, request: web.Request) -> web.Response:
+        q = parse_query(request.query_string)
+        try:
+            info_hash = q.get("info_hash", b"")
+            port = _int_param(q, "port")
+            rank, of = self.table.rank(info_hash, self._peer_ip(request, q), port, time.monotonic())
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"{exc}\n") from None
+        return web.json_response({"rank": rank, "of": of, "ttl": self.table.rank_ttl})
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        files = {}
+        for part in request.query_string.split("&"):
+            key, _, value = part.partition("=")
+            if key == "info_hash":
+                info_hash = unquote_to_bytes(value)
+                complete, incomplete, downloaded = self.table.scrape(info_hash)
+                files[info_hash] = {"complete": complete, "incomplete": incomplete, "downloaded": downloaded}
+        return web.Response(body=bencode.encode({"files": files}), content_type="text/plain")
+
+    async def status(self, request: web.Request) -> web.Response:
+        out = {**self.table.statistics(), **self.stats}
+        if self.torrents is not None:
+            out["torrents"] = self.torrents.statistics()
+        return web.json_response(out)
+
+
+def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,
+             announce_url: str | None = None, trust_ip_param: bool = False,
+             authorize: Authorize | None = None) -> web.Application:
+    """The swarm service as an application to mount at PREFIX (see the module doc).
+
+    announce_url: the tracker URL put in served torrents; default: this service's
+    announce route as the requesting client addressed it.
+    authorize(digest, request): called before a torrent is served; raises an
+    web.HTTPException (401/403) for a client that may not read the blob -- the region
+    passes its own access check (request.query "repo" and "ns" name the repository).
+    """
+    service = SwarmService(torrents, table or PeerTable(), announce_url, trust_ip_param, authorize)
+    app = web.Application()
+    app[SERVICE_KEY] = service
+    app.router.add_get("/v1/torrents/{digest}", service.torrent)
+    app.router.add_get("/v1/announce", service.announce)
+    app.router.add_get("/v1/scrape", service.scrape)
+    app.router.add_get("/v1/rank", service.rank)
+    app.router.add_get("/v1/status", service.status)
+
+    async def expire_forever(app: web.Application) -> None:
+        while True:
+            await asyncio.sleep(service.table.interval)
+            service.table.expire(time.monotonic())
+
+    async def start(app: web.Application) -> None:
+        app[_EXPIRY_KEY] = asyncio.ensure_future(expire_forever(app))
+
+    async def stop(app: web.Application) -> None:
+        app[_EXPIRY_KEY].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await app[_EXPIRY_KEY]
+        close = getattr(torrents, "close", None)
+        if close:
+            close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    return app
+
+
+def mount(app: web.Application, **kwargs) -> web.Application:
+    """Add the swarm service to `app` under PREFIX; returns the sub-application."""
+    sub = make_app(**kwargs)
+    app.add_subapp(PREFIX, sub)
+    return sub
