@@ -8,26 +8,17 @@ registry client in builder.oci.registry; credentials from the docker config.json
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 from typing import Sequence
 
 from builder.oci.refs import DockerRef
-from builder.oci.registry import RegistrySource
+from builder.oci.registry import RegistrySource, is_loopback
 from cache.source import BlobRef, Source
 
 MERGE_GAP = 64 << 10
 
 
-def is_loopback_host(registry: str) -> bool:
-    host = registry.rsplit(":", 1)[0] if not registry.endswith("]") else registry
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback_host = is_loopback  # registries on loopback are reached over plain HTTP by default
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:

@@ -16,8 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from builder.oci.fromdir import ImageConfig, build_image  # noqa: E402
 from tests.rootfs import busybox_layer, delta_layer, python_layer  # noqa: E402
-from snapshotter.fs.client import FSClient  # noqa: E402
-from tests.services import NodeProcess, start_containerd, start_registry  # noqa: E402
+from tests.services import shoal_node_with_containerd, start_registry  # noqa: E402
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
@@ -33,14 +32,8 @@ def run(*args: str) -> None:
 
 def lazy_start(work: Path, registry, ref: str) -> None:
     """shoal node as containerd's proxy snapshotter; shoal pull; ctr run."""
-    short = Path(tempfile.mkdtemp(prefix="shoal-demo-", dir="/tmp"))  # unix sockets want short paths
-    node = ctd = None
-    try:
-        step("starting shoal node (containerd's proxy snapshotter) and containerd with it")
-        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
-        snippet = (ROOT / "deploy/containerd/config.toml").read_text().replace(
-            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
-        ctd = start_containerd(short / "ctd", extra_config=snippet)
+    step("starting shoal node (containerd's proxy snapshotter) and containerd with it")
+    with shoal_node_with_containerd("shoal-demo-") as (node, ctd):
         before = registry.count("GET", "/blobs/")[1]
         step("shoal pull: manifest and config into containerd, layers lazy")
         run(SHOAL, "pull", ref, "--address", ctd.address, "--namespace", "shoal-test")
@@ -48,15 +41,8 @@ def lazy_start(work: Path, registry, ref: str) -> None:
         cmd = ["/usr/bin/python3", "-c", "print('hello from a lazy image')"]
         print(ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, "demo", *cmd).stdout, end="")
         fetched = registry.count("GET", "/blobs/")[1] - before
-        run(SHOAL, "status", "--root", str(short / "root"))
+        run(SHOAL, "status", "--root", str(node.root))
         print(f"\nbytes fetched from the registry for this start: {fetched:,}")
-    finally:
-        if ctd is not None:
-            ctd.stop()
-        if node is not None:
-            node.stop()
-        FSClient(str(short / "root")).stop()
-        subprocess.run(["rm", "-rf", str(short)], check=False)
 
 
 def main() -> int:

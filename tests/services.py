@@ -5,6 +5,8 @@ its PID.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import secrets
@@ -460,3 +462,32 @@ class NodeProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def shoal_node_with_containerd(prefix: str = "shoal-"):
+    """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
+    (deploy/containerd/config.toml), in a short private directory (unix socket paths are
+    short). Yields (node, containerd); stops both, the layer file system server and every
+    mount under the directory, then removes it — also on failure."""
+    from snapshotter.fs.client import FSClient
+
+    short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    node = ctd = None
+    try:
+        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
+        snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
+            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
+        ctd = start_containerd(short / "ctd", extra_config=snippet)
+        yield node, ctd
+    finally:
+        if ctd is not None:
+            ctd.stop()
+        if node is not None:
+            node.stop()
+        FSClient(str(short / "root")).stop()
+        unmount_under(short)
+        shutil.rmtree(short, ignore_errors=True)

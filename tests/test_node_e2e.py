@@ -4,9 +4,7 @@ proxy snapshotter, `shoal pull`, `ctr run --snapshotter shoal`."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,10 +13,9 @@ import pytest
 from builder.convert import convert
 from builder.oci.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
-from snapshotter.fs.client import FSClient
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer, delta_layer, python_layer
-from tests.services import SHOAL, NodeProcess, start_containerd, start_registry
+from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, start_registry
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.registry, pytest.mark.containerd]
@@ -53,22 +50,8 @@ def node_and_containerd():
     reason = containerd_missing()
     if reason:
         pytest.skip(reason)
-    short = Path(tempfile.mkdtemp(prefix="shoal-e2e-", dir="/tmp"))  # unix socket paths are short
-    node = ctd = None
-    try:
-        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
-        snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
-            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
-        ctd = start_containerd(short / "ctd", extra_config=snippet)
-        yield node, ctd
-    finally:
-        if ctd is not None:
-            ctd.stop()
-        if node is not None:
-            node.stop()
-        FSClient(str(short / "root")).stop()
-        subprocess.run(["umount", "-l", str(short / "root" / "mnt")], capture_output=True)
-        shutil.rmtree(short, ignore_errors=True)
+    with shoal_node_with_containerd("shoal-e2e-") as pair:
+        yield pair
 
 
 def shoal_json(*args: str) -> dict:

@@ -6,19 +6,16 @@ containerd, `ctr run --snapshotter shoal` imports torch. The image is built once
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from builder.oci.refs import open_source
-from snapshotter.fs.client import FSClient
 from tests import torchimage
 from tests.fixtures_services import containerd_missing
-from tests.services import SHOAL, NodeProcess, start_containerd, start_registry
+from tests.services import SHOAL, shoal_node_with_containerd, start_registry
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.registry, pytest.mark.containerd, pytest.mark.slow]
@@ -42,13 +39,7 @@ def torch_in_registry(tmp_path_factory):
 
 def test_import_torch_from_a_lazy_image(torch_in_registry):
     registry, ref, manifest = torch_in_registry
-    short = Path(tempfile.mkdtemp(prefix="shoal-torch-", dir="/tmp"))
-    node = ctd = None
-    try:
-        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
-        snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
-            "/run/shoal/snapshotter.sock", str(short / "s.sock"))
-        ctd = start_containerd(short / "ctd", extra_config=snippet)
+    with shoal_node_with_containerd("shoal-torch-") as (node, ctd):
 
         def fetched() -> int:
             return sum(registry.count("GET", ly["digest"])[1] for ly in manifest["layers"])
@@ -69,11 +60,3 @@ def test_import_torch_from_a_lazy_image(torch_in_registry):
         out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, "torch-2", *torchimage.CMD, timeout=600).stdout
         assert out.strip() == torchimage.EXPECTED
         assert fetched() == mark  # the second container fetches nothing
-    finally:
-        if ctd is not None:
-            ctd.stop()
-        if node is not None:
-            node.stop()
-        FSClient(str(short / "root")).stop()
-        subprocess.run(["umount", "-l", str(short / "root" / "mnt")], capture_output=True)
-        shutil.rmtree(short, ignore_errors=True)
