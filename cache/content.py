@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from shoal.digest import check_digest
+from shoal.fsutil import fsync_dir as _fsync_dir
 
 log = logging.getLogger("shoal.cache")
 
@@ -86,14 +87,6 @@ def process_start(pid: int) -> int | None:
         return int(fields[19])  # field 22 of stat(5): starttime
     except (IndexError, ValueError):
         return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ContentDir:

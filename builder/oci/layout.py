@@ -21,7 +21,14 @@ from typing import Callable
 from builder.oci.base import ImageDestination, ImageSource, Manifest
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, hex_of, verify
-from shoal.errors import DigestMismatch, FormatError, NotFound, TransportError, UsageError
+from shoal.errors import (
+    DigestMismatch,
+    FormatError,
+    NotFound,
+    TransportError,
+    UsageError,
+)
+from shoal.fsutil import fsync_dir as _fsync_dir
 
 REF_NAME = "org.opencontainers.image.ref.name"
 LAYOUT_VERSION = "1.0.0"
@@ -370,14 +377,6 @@ class _AtomicFile:
 def _atomic_write(target: Path, data: bytes) -> None:
     with _AtomicFile(target) as fh:
         fh.write(data)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _DirLock:
