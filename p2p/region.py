@@ -74,6 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from cache.region.server import RegionCache
 
     config = load_config(None, listen=args.listen, origin=args.origin, store=args.store)
+    config.swarm = False  # mounted below with this lab's piece size and announce interval
     backend = backends.create(config.backend, **config.backend_options())
     cache = RegionCache(config, backend)
     host, port = config.listen_address

@@ -476,3 +476,41 @@ def test_shoal_region_usage_errors(tmp_path):
     assert r.returncode == 2 and "disk.capacty" in r.stderr
     r = run("--origin", "ftp://x", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
     assert r.returncode in (1, 2) and "origin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_registry, tmp_path, docker_config):
+    """`shoal region` carries the swarm's metadata service: a blob's .torrent is made from
+    the verified blob, and refused to a client the origin would refuse."""
+    from p2p.metainfo import parse_torrent
+
+    docker_config.login(basic_registry.host, basic_registry.username, basic_registry.password)
+    data = random.Random(11).randbytes(3 << 20)
+    digest = push_blob(basic_registry, "team/private", data, tmp_path, docker_config)
+    port = free_port()
+    log_path = tmp_path / "region.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin",
+             basic_registry.url, "--store", str(tmp_path / "store")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
+        )
+    try:
+        assert "serving" in proc.stdout.readline().decode(), log_path.read_text()
+        url = f"http://127.0.0.1:{port}/p2p/v1/torrents/{digest}?repo=team/private"
+        good = {"Authorization": basic(basic_registry.username, basic_registry.password)}
+        assert requests.get(url, timeout=30).status_code == 401  # no credentials
+        deadline = time.monotonic() + 30
+        while True:  # the first request starts the fill through the region: 404 + Retry-After
+            r = requests.get(url, headers=good, timeout=30)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert r.status_code == 404 and "Retry-After" in r.headers, (r.status_code, r.text)
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        meta, announce = parse_torrent(r.content, digest, len(data))
+        assert meta.length == len(data) and announce and announce.endswith("/p2p/v1/announce")
+        assert requests.get(url, headers={"Authorization": basic("intruder", "nope")}, timeout=30).status_code in (
+            401, 403)
+    finally:
+        stop_process(proc)
+        proc.stdout.close()

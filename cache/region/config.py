@@ -96,6 +96,9 @@ class RegionConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    # The swarm's tracker and torrent metadata at /p2p/v1/ (p2p/, docs/p2p.md); metadata is
+    # served only to clients the origin would serve the blob to.
+    swarm: bool = True
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -44,6 +44,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -262,7 +263,29 @@ class RegionCache:
         app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
+        if self.config.swarm:
+            self._mount_swarm(app)
         return app
+
+    def _mount_swarm(self, app: web.Application) -> None:
+        try:
+            from p2p.region import mount_on_region
+        except ImportError as e:  # p2p needs nothing heavy on the region, but say so
+            log.warning("swarm service not available: %s", e)
+            return
+
+        async def authorize(digest: str, request: web.Request) -> None:
+            repo = request.query.get("repo", "")
+            if not repo:
+                raise web.HTTPBadRequest(text="torrent metadata needs ?repo=NAME (the blob's repository)\n")
+            try:
+                await self.access.check(repo, digest, request.headers.get("Authorization"))
+            except HTTPFailure as f:
+                raise _http_error(f) from None
+
+        host, port = self.config.listen_address
+        mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
+                        self_url=f"http://{host}:{port}", authorize=authorize)
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
@@ -605,6 +628,11 @@ class RegionCache:
             await resp.write_eof()
         log.info("%s %s %s -> %d (origin)", request.remote, request.method, request.path, upstream.status)
         return resp
+
+
+def _http_error(f: HTTPFailure) -> web.HTTPException:
+    cls = {401: web.HTTPUnauthorized, 403: web.HTTPForbidden, 404: web.HTTPNotFound}.get(f.status, web.HTTPBadGateway)
+    return cls(text=f.message + "\n", headers=f.headers)
 
 
 def _blob_headers(digest: str, size: int, span: tuple[int, int] | None = None) -> dict[str, str]:
