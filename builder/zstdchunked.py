@@ -37,6 +37,7 @@ whose zstd frames are laid out so that any file can be fetched and decompressed 
 from __future__ import annotations
 
 import base64
+import bisect
 import datetime as _dt
 import hashlib
 import io
@@ -889,6 +890,7 @@ class LayerReader:
             loader = RangeLoader(fetch)
         self._loader = loader
         self._layer = layer
+        self._offsets: dict[str, list[int]] = {}  # file -> its chunks' file offsets
         self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._cache_max = cache_chunks
         self._lock = threading.Lock()
@@ -1004,7 +1006,20 @@ class LayerReader:
         if e.type != "reg":
             raise OSError(22, "Invalid argument", path)
         end = min(e.size, offset + size)
-        return [c for c in e.chunks if c.file_offset < end and c.file_offset + c.size > offset]
+        if offset >= end:
+            return []
+        # Chunks tile the file in order (parse_toc checks it): find the first by bisection,
+        # so a read of a file with hundreds of chunks does not scan them all.
+        offsets = self._offsets.get(e.name)
+        if offsets is None:
+            offsets = self._offsets[e.name] = [c.file_offset for c in e.chunks]
+        i = bisect.bisect_right(offsets, offset) - 1
+        out = []
+        for c in e.chunks[max(i, 0):]:
+            if c.file_offset >= end:
+                break
+            out.append(c)
+        return out
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         if offset < 0 or size < 0:

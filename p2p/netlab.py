@@ -49,6 +49,23 @@ def available() -> str | None:
     return None
 
 
+
+
+def registry_log(path: Path) -> list[dict]:
+    """The completed requests a distribution registry logged (JSON log lines with
+    http.request.method, http.request.uri, http.response.status and .written)."""
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "http.request.method" in entry and "http.response.status" in entry:
+            out.append(entry)
+    return out
+
 @dataclass
 class Host:
     ns: str
@@ -175,15 +192,8 @@ class LabRegistry:
     def bytes_written(self, uri_contains: str = "", method: str = "GET") -> tuple[int, int]:
         """(requests, response bytes) the registry logged for matching requests."""
         n = total = 0
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if entry.get("http.request.method") == method and uri_contains in entry.get("http.request.uri", "") \
-                    and "http.response.status" in entry:
+        for entry in registry_log(self.log_path):
+            if entry.get("http.request.method") == method and uri_contains in entry.get("http.request.uri", ""):
                 n += 1
                 total += int(entry.get("http.response.written", 0))
         return n, total

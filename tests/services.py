@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2p.netlab import registry_log
+
 REGISTRY_BIN = "/usr/bin/docker-registry"
 START_TIMEOUT = 20.0
 STOP_TIMEOUT = 5.0
@@ -54,24 +56,15 @@ class RegistryServer:
 
     def requests(self) -> list[LoggedRequest]:
         """Every request the registry logged as completed, in order."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "http.request.method" in entry and "http.response.status" in entry:
-                out.append(
-                    LoggedRequest(
-                        method=entry["http.request.method"],
-                        uri=entry.get("http.request.uri", ""),
-                        status=int(entry["http.response.status"]),
-                        written=int(entry.get("http.response.written", 0)),
-                    )
-                )
-        return out
+        return [
+            LoggedRequest(
+                method=entry["http.request.method"],
+                uri=entry.get("http.request.uri", ""),
+                status=int(entry["http.response.status"]),
+                written=int(entry.get("http.response.written", 0)),
+            )
+            for entry in registry_log(self.log_path)
+        ]
 
     def count(self, method: str | None = None, uri_contains: str = "") -> tuple[int, int]:
         """(number of requests, response bytes written) matching method and URI part."""
