@@ -4,6 +4,8 @@
         hub = lab.hub                      # namespace with the bridge, 192.0.2.1
         n1 = lab.add_node(rate_mbit=200)   # its own namespace, 192.0.2.11, link capped both ways
         proc = lab.popen(n1, [python, "-m", "p2p.agent", ...])
+        registry = start_registry(lab, workdir); region = start_region(lab, workdir, registry)
+        [node] = start_nodes(lab, [n1], workdir, region, registry)   # `shoal node`, swarm on
 
 Layout: one *hub* namespace holds a bridge (192.0.2.1/24) and one veth end per node;
 each node namespace holds the other end (192.0.2.(10+i)/24) and its loopback. The
@@ -11,10 +13,15 @@ registry and region run in the hub. Addresses are from TEST-NET-1 (RFC 5737) and
 only inside these namespaces: nothing is routed to or from the host's own network.
 `tc tbf` on both ends of a node's veth caps its upload and its download.
 
+Processes enter a namespace's network only (`nsenter --net`), not `ip netns exec`, which
+also makes a mount namespace of its own: the FUSE mounts of a `shoal node` in the lab
+must be visible to the test that reads them.
+
 Everything the lab makes is named with a per-lab prefix and removed by close(): the
-processes it started (by PID: SIGTERM, then SIGKILL), then the namespaces (which takes
-their veths and the bridge with them). close() runs on exceptions too (context manager)
-and is idempotent.
+processes it started or adopted (a node's layer file system server, which runs in a
+session of its own), by PID: SIGTERM, then SIGKILL; then every mount under the nodes'
+roots; then the namespaces (which takes their veths and the bridge with them). close()
+runs on exceptions too (context manager) and is idempotent.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,9 +55,9 @@ def available() -> str | None:
     for tool in ("/usr/sbin/ip", "/usr/sbin/tc"):
         if not os.access(tool, os.X_OK) and not os.access(tool.replace("/usr/sbin", "/sbin"), os.X_OK):
             return f"{os.path.basename(tool)} is not installed (Debian package iproute2)"
+    if shutil.which("nsenter") is None:
+        return "nsenter is not installed (Debian package util-linux)"
     return None
-
-
 
 
 def registry_log(path: Path) -> list[dict]:
@@ -66,6 +75,61 @@ def registry_log(path: Path) -> list[dict]:
             out.append(entry)
     return out
 
+
+def _unescape_mount_path(field: str) -> str:
+    """/proc/self/mounts escapes space, tab, newline and backslash as \\ooo."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_under(*paths: Path | str) -> list[str]:
+    """Mount points at or below any of `paths`, deepest first."""
+    prefixes = [os.path.realpath(p) for p in paths]
+    found = []
+    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            fields = line.split()
+            if len(fields) < 2:
+                continue
+            point = _unescape_mount_path(fields[1])
+            if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
+                found.append(point)
+    return sorted(set(found), key=lambda p: (p.count("/"), len(p)), reverse=True)
+
+
+def unmount_under(*paths: Path | str) -> list[str]:
+    """Lazily unmount everything at or below `paths` (deepest first); returns what was
+    still mounted afterwards (empty when all went)."""
+    for _ in range(3):
+        points = mounts_under(*paths)
+        if not points:
+            return []
+        for point in points:
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    return mounts_under(*paths)
+
+
+def _netns(host: Host) -> list[str]:
+    """The prefix that runs a command in the host's network namespace (and nothing else's)."""
+    return ["nsenter", f"--net=/run/netns/{host.ns}", "--"]
+
+
+def _process_has(pid: int, marker: str) -> bool:
+    """Whether process `pid` is still the one whose command line names `marker`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return marker.encode() in fh.read().split(b"\0")
+    except OSError:
+        return False
+
+
 @dataclass
 class Host:
     ns: str
@@ -80,6 +144,8 @@ class Lab:
     hosts: list[Host] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
+    adopted: list[tuple[int, str]] = field(default_factory=list)  # (pid, a word of its command line)
+    node_roots: list[Path] = field(default_factory=list)  # unmounted by close()
 
     def __post_init__(self) -> None:
         if not self.prefix:
@@ -126,16 +192,37 @@ class Lab:
                            check=True, capture_output=True, text=True)
 
     def popen(self, host: Host, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Start a process inside the host's namespace (`ip netns exec` execs it: the
+        """Start a process inside the host's network namespace (nsenter execs it: the
         PID is the process's own)."""
         kwargs.setdefault("stdin", subprocess.DEVNULL)
-        proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *map(str, argv)], **kwargs)
+        proc = subprocess.Popen([*_netns(host), *map(str, argv)], **kwargs)
         self.procs.append(proc)
         return proc
 
     def run(self, host: Host, argv: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", host.ns, *map(str, argv)], capture_output=True,
-                              text=True, timeout=timeout, check=False, **kwargs)
+        kwargs.setdefault("text", True)
+        return subprocess.run([*_netns(host), *map(str, argv)], capture_output=True,
+                              timeout=timeout, check=False, **kwargs)
+
+    def adopt(self, pid: int, marker: str) -> None:
+        """Stop `pid` in close() too (if its command line still names `marker`)."""
+        if (pid, marker) not in self.adopted:
+            self.adopted.append((pid, marker))
+
+    def stop_pid(self, pid: int, marker: str, sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+        """Signal a process the lab did not start (by PID, checked against `marker`) and
+        wait until it is gone, SIGKILL after `timeout`."""
+        deadline = time.monotonic() + timeout
+        for s in (sig, signal.SIGKILL):
+            if not _process_has(pid, marker):
+                return
+            try:
+                os.kill(pid, s)
+            except ProcessLookupError:
+                return
+            while _process_has(pid, marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            deadline = time.monotonic() + 5
 
     def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         if proc.poll() is None:
@@ -151,6 +238,10 @@ class Lab:
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
 
     def close(self) -> None:
+        for root in self.node_roots:  # a layer file system server that started unseen
+            pid = fs_server_pid(root)
+            if pid:
+                self.adopt(pid, str(root))
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -165,6 +256,13 @@ class Lab:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        for pid, marker in self.adopted:
+            self.stop_pid(pid, marker)
+        self.adopted.clear()
+        left = unmount_under(*self.node_roots)
+        self.node_roots.clear()
+        if left:
+            print(f"netlab: still mounted after umount -l: {left}", file=sys.stderr)
         for ns in reversed(self.namespaces):
             _ip("netns", "del", ns, check=False)
         self.namespaces.clear()
@@ -231,18 +329,14 @@ def wait_http(lab: Lab, host: Host, url: str, proc: subprocess.Popen, timeout: f
     raise RuntimeError(f"{url} did not answer within {timeout}s")
 
 
-def push_blob(lab: Lab, registry: LabRegistry, repository: str, path: Path, digest: str) -> None:
-    """Upload a file as a blob of `repository` (from inside the hub)."""
-    code = ("import sys, os\n"
-            "from builder.oci.refs import DockerRef\n"
-            "from builder.oci.registry import RegistryDestination\n"
-            "d = RegistryDestination(DockerRef(sys.argv[1], sys.argv[2], tag='x'), plain_http=True)\n"
-            "d.put_blob(sys.argv[3], sys.argv[4], os.path.getsize(sys.argv[3])); d.close()\n")
-    repo_root = Path(__file__).resolve().parent.parent
-    proc = lab.run(lab.hub, [sys.executable, "-c", code, registry.host, repository, str(path), digest],
-                   timeout=300, cwd=repo_root, env={**os.environ, "PYTHONPATH": str(repo_root)})
-    if proc.returncode != 0:
-        raise RuntimeError(f"push of {digest} failed: {proc.stderr[-2000:]}")
+def http_get(lab: Lab, host: Host, *urls: str, timeout: float = 30) -> list[str]:
+    """The bodies (text) of GET `urls`, fetched from inside the host's namespace."""
+    code = ("import sys,json,urllib.request\n"
+            "print(json.dumps([urllib.request.urlopen(u, timeout=10).read().decode() for u in sys.argv[1:]]))\n")
+    out = lab.run(host, [sys.executable, "-c", code, *urls], timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"GET {' '.join(urls)} in {host.ns}: {out.stderr[-1000:]}")
+    return json.loads(out.stdout)
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
@@ -263,46 +357,281 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SHOAL = str(Path(sys.executable).parent / "shoal")  # .venv/bin/shoal
 
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
 
 
+def _shoal(lab: Lab, argv: list[str], host: Host | None = None, timeout: float = 300) -> str:
+    """Run a short `shoal ...` command (in the hub unless `host`); its stdout."""
+    proc = lab.run(host or lab.hub, [SHOAL, *argv], timeout=timeout, cwd=REPO_ROOT, env=_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"shoal {' '.join(map(str, argv))}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def push_blob(lab: Lab, registry: LabRegistry, repository: str, path: Path, digest: str) -> None:
+    """Upload a file as a blob of `repository` (from inside the hub)."""
+    code = ("import sys, os\n"
+            "from builder.oci.refs import DockerRef\n"
+            "from builder.oci.registry import RegistryDestination\n"
+            "d = RegistryDestination(DockerRef(sys.argv[1], sys.argv[2], tag='x'), plain_http=True)\n"
+            "d.put_blob(sys.argv[3], sys.argv[4], os.path.getsize(sys.argv[3])); d.close()\n")
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, registry.host, repository, str(path), digest],
+                   timeout=300, cwd=REPO_ROOT, env=_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"push of {digest} failed: {proc.stderr[-2000:]}")
+
+
+# --- the region ---------------------------------------------------------------------------------
+
+
 @dataclass
 class LabRegion:
+    """`shoal region` in the hub (cache, tracker and torrent metadata)."""
+
     url: str
     proc: subprocess.Popen
     log_path: Path
 
     def status(self, lab: Lab) -> dict:
         """The region cache's /-/status and the swarm service's /p2p/v1/status."""
-        code = ("import sys,json,urllib.request\n"
-                "u=sys.argv[1]\n"
-                "print(json.dumps({'region': json.load(urllib.request.urlopen(u+'/-/status')),"
-                " 'swarm': json.load(urllib.request.urlopen(u+'/p2p/v1/status'))}))\n")
-        out = lab.run(lab.hub, [sys.executable, "-c", code, self.url], timeout=20)
-        if out.returncode != 0:
-            raise RuntimeError(f"region status: {out.stderr[-1000:]}")
-        return json.loads(out.stdout)
+        region, swarm = http_get(lab, lab.hub, self.url + "/-/status", self.url + "/p2p/v1/status")
+        return {"region": json.loads(region), "swarm": json.loads(swarm)}
+
+    def metrics(self, lab: Lab) -> str:
+        return http_get(lab, lab.hub, self.url + "/-/metrics")[0]
 
 
 def start_region(lab: Lab, workdir: Path, registry: LabRegistry, port: int = 5080,
-                 piece_size: int | None = None, interval: int = 60) -> LabRegion:
-    """The region cache with the swarm service mounted (p2p/region.py), in the hub."""
+                 config: str = "") -> LabRegion:
+    """`shoal region` (cache + swarm service) in the hub; `config`: its TOML, if any."""
     store = workdir / "region"
     store.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "region.log"
-    argv = [sys.executable, "-m", "p2p.region", "--listen", f"{HUB_IP}:{port}",
-            "--origin", f"http://{registry.host}", "--store", str(store), "--interval", str(interval)]
-    if piece_size:
-        argv += ["--piece-size", str(piece_size)]
+    argv = [SHOAL, "-v", "region", "--listen", f"{HUB_IP}:{port}", "--origin", f"http://{registry.host}",
+            "--store", str(store)]
+    if config:
+        (workdir / "region.toml").write_text(config)
+        argv += ["--config", str(workdir / "region.toml")]
     with open(log_path, "ab") as log:
         proc = lab.popen(lab.hub, argv, stdout=subprocess.PIPE, stderr=log, cwd=REPO_ROOT, env=_env())
     line = read_line(proc, 30)
-    if not line.startswith("ready"):
+    if not line.startswith("shoal region: serving"):
         raise RuntimeError(f"region: unexpected {line!r}")
     return LabRegion(f"http://{HUB_IP}:{port}", proc, log_path)
+
+
+def wait_torrent(lab: Lab, region: LabRegion, registry: LabRegistry, repository: str, digest: str,
+                 timeout: float = 120) -> bytes:
+    """The blob's .torrent from the region, once made (the region fills the blob from the
+    origin on the first metadata request and answers 404 meanwhile)."""
+    code = ("import sys,time,urllib.request,urllib.error\n"
+            "end=time.monotonic()+float(sys.argv[2])\n"
+            "while True:\n"
+            "    try:\n"
+            "        sys.stdout.buffer.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()); break\n"
+            "    except urllib.error.HTTPError as e:\n"
+            "        if e.code != 404 or time.monotonic() > end: raise\n"
+            "        time.sleep(0.2)\n")
+    url = f"{region.url}/p2p/v1/torrents/{digest}?repo={repository}&ns={registry.host}"
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, url, str(timeout)], timeout=timeout + 30, text=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"no torrent for {digest} from the region: {proc.stderr.decode()[-1000:]}")
+    return proc.stdout
+
+
+def publish_blob(lab: Lab, registry: LabRegistry, region: LabRegion, repository: str, path: Path,
+                 digest: str, timeout: float = 120) -> bytes:
+    """Push the blob to the origin and wait until the region serves its torrent; returns
+    the .torrent file."""
+    push_blob(lab, registry, repository, path, digest)
+    return wait_torrent(lab, region, registry, repository, digest, timeout)
+
+
+@dataclass
+class LabImage:
+    """An image in the lab's registry: `name` HOST/REPO:TAG, its manifest's layers (with
+    the zstd:chunked annotations), diff_ids, and each layer's .torrent from the region."""
+
+    name: str
+    manifest_digest: str
+    layers: list[dict]
+    diff_ids: list[str]
+    torrents: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def repository(self) -> str:
+        return self.name.split("/", 1)[1].rsplit(":", 1)[0]
+
+
+def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Path, name: str,
+                  timeout: float = 120) -> LabImage:
+    """Copy an OCI layout's image (converted already: its layers pass through) to the
+    origin as REGISTRY/`name` with `shoal convert`, and wait until the region serves the
+    torrent of every layer (which also fills the layers into the region)."""
+    from builder.oci.refs import open_source
+
+    ref = f"{registry.host}/{name}"
+    summary = json.loads(_shoal(lab, ["convert", f"oci:{layout}", f"docker://{ref}", "--plain-http", "--json"]))
+    with open_source(f"oci:{layout}") as src:
+        root = src.get_root()
+        doc = json.loads(root.data)
+        with src.open_blob(doc["config"]["digest"], doc["config"]["size"]) as stream:
+            diff_ids = json.loads(stream.read())["rootfs"]["diff_ids"]
+    if summary["digest"] != root.digest:
+        raise RuntimeError(f"{ref}: pushed {summary['digest']}, the layout holds {root.digest}")
+    image = LabImage(ref, root.digest, doc["layers"], diff_ids)
+    for layer in image.layers:
+        image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
+                                                       timeout)
+    return image
+
+
+# --- nodes -----------------------------------------------------------------------------------
+
+
+def fs_server_pid(root: Path | str) -> int | None:
+    """The PID of the layer file system server of a node root, if it answers."""
+    from shoal.errors import ShoalError
+    from snapshotter.fs.client import FSClient
+
+    try:
+        return FSClient(str(root)).call("ping", timeout=2)["pid"]
+    except (OSError, ValueError, KeyError, ShoalError):
+        return None
+
+
+def _toml(tables: dict[str, dict]) -> str:
+    """TOML of {table: {key: str | int | float | bool | list[str]}} (JSON strings are TOML strings)."""
+    lines = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@dataclass
+class LabNode:
+    """A `shoal node` in a node namespace (start_nodes): its gRPC socket, root (the layer
+    file system mounts at ROOT/mnt/<hex>), swarm control socket and figures."""
+
+    host: Host
+    proc: subprocess.Popen
+    dir: Path
+    metrics_address: str = ""
+
+    @property
+    def root(self) -> Path:
+        return self.dir / "root"
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / "s.sock"
+
+    def log(self, size: int = 3000) -> str:
+        out = []
+        for path in (self.dir / "node.log", self.root / "logs" / "fs.log"):
+            try:
+                out.append(f"--- {path}\n" + path.read_text(errors="replace")[-size:])
+            except OSError:
+                pass
+        return "\n".join(out)
+
+    def provide(self, lab: Lab, image: LabImage) -> list[Path]:
+        """Prepare the image's layers through the node's Snapshots API (what containerd's
+        unpacker or `shoal pull` sends); the lazy layers' mount points."""
+        from snapshotter.pull import provide_layers
+
+        layers = provide_layers(str(self.socket), image.name, image.manifest_digest, image.layers,
+                                image.diff_ids, plain=True)
+        pid = fs_server_pid(self.root)
+        if pid:
+            lab.adopt(pid, str(self.root))
+        return [self.layer_dir(ly.digest) for ly in layers if ly.kind == "lazy"]
+
+    def layer_dir(self, digest: str) -> Path:
+        return self.root / "mnt" / digest.split(":", 1)[1]
+
+    def status(self) -> dict:
+        """`shoal status --root ROOT --json` (over the layer file system's socket)."""
+        out = subprocess.run([SHOAL, "status", "--root", str(self.root), "--json"], capture_output=True,
+                             text=True, timeout=60, check=False, env=_env())
+        if out.returncode != 0:
+            raise RuntimeError(f"shoal status of {self.host.ip}: {out.stderr[-1000:]}")
+        return json.loads(out.stdout)
+
+    def control(self, request: dict, timeout: float = 120) -> dict:
+        """A request to the node's swarm control socket (p2p/control.py)."""
+        from p2p.control import SOCKET_NAME
+        from shoal.localrpc import call
+
+        return call(str(self.root / SOCKET_NAME), request, timeout)
+
+    def download(self, digest: str, timeout: float = 120) -> str:
+        """Bulk: the whole layer blob through the swarm; the complete file's path."""
+        return self.control({"op": "download", "layer": digest, "timeout": timeout}, timeout + 30)["path"]
+
+    def metrics(self, lab: Lab) -> str:
+        return http_get(lab, self.host, f"http://{self.metrics_address}/metrics")[0]
+
+    def stop(self, lab: Lab, sig: int = signal.SIGTERM) -> None:
+        """Stop the layer file system server (the swarm's process) and the node, by PID.
+        SIGKILL kills both as a crashed machine would, and leaves a dead FUSE mount
+        behind (unmount())."""
+        root = str(self.root)
+        pids = {p for p, marker in lab.adopted if marker == root} | {fs_server_pid(root)}
+        for pid in pids - {None}:
+            lab.stop_pid(pid, root, sig)
+        lab.kill(self.proc, sig)
+
+    def unmount(self) -> list[str]:
+        return unmount_under(self.root)
+
+
+def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, registry: LabRegistry,
+                swarm: dict | None = None, metrics: bool = False, timeout: float = 30) -> list[LabNode]:
+    """One `shoal node` per host (the swarm on, listening on the host's address; the
+    region and origin in the hub), started at once; returns when all answer. `workdir`
+    must be short: unix socket paths live in it."""
+    nodes = []
+    for host in hosts:
+        d = workdir / host.ns
+        d.mkdir(parents=True)
+        config = {
+            "fetch": {"region_url": region.url, "plain_http_hosts": [registry.host]},
+            "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
+        }
+        metrics_address = ""
+        if metrics:
+            metrics_address = f"{host.ip}:9464"
+            config["metrics"] = {"address": metrics_address}
+        (d / "node.toml").write_text(_toml(config))
+        lab.node_roots.append(d / "root")
+        with open(d / "node.log", "ab") as log:
+            proc = lab.popen(host, [SHOAL, "-v", "node", "--root", d / "root", "--socket", d / "s.sock",
+                                    "--config", d / "node.toml"], stdout=log, stderr=subprocess.STDOUT,
+                             cwd=REPO_ROOT, env=_env())
+        nodes.append(LabNode(host, proc, d, metrics_address))
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        while True:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(str(node.socket))
+                    break
+                except OSError:
+                    pass
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"shoal node in {node.host.ns} did not start:\n{node.log()}")
+            time.sleep(0.05)
+    return nodes
+
+
+# --- agents (the benchmark) --------------------------------------------------------------------
 
 
 @dataclass
@@ -316,22 +645,13 @@ class LabAgent:
     log_path: Path
 
     def call(self, request: dict, timeout: float = 120) -> dict:
-        import socket
+        from shoal.errors import ShoalError
+        from shoal.localrpc import call
 
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(self.control)
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                part = sock.recv(1 << 16)
-                if not part:
-                    raise RuntimeError(f"agent {self.host.ip}: connection closed")
-                data += part
-        answer = json.loads(data)
-        if not answer.get("ok"):
-            raise RuntimeError(f"agent {self.host.ip}: {request.get('op')}: {answer.get('error')}")
-        return answer
+        try:
+            return call(self.control, request, timeout)
+        except ShoalError as exc:
+            raise RuntimeError(f"agent {self.host.ip}: {exc}") from None
 
     def stats(self) -> dict:
         return self.call({"op": "stats"}, timeout=30)["stats"]
@@ -370,28 +690,3 @@ def start_agents(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, 
     for agent in agents:
         agent.wait_ready()
     return agents
-
-
-def start_agent(lab: Lab, host: Host, workdir: Path, region: LabRegion, **kwargs) -> LabAgent:
-    return start_agents(lab, [host], workdir, region, **kwargs)[0]
-
-
-def publish_blob(lab: Lab, registry: LabRegistry, region: LabRegion, repository: str, path: Path,
-                 digest: str, timeout: float = 120) -> bytes:
-    """Push the blob to the origin and wait until the region serves its torrent (the
-    region fills the blob on the first metadata request); returns the .torrent file."""
-    push_blob(lab, registry, repository, path, digest)
-    code = ("import sys,time,urllib.request,urllib.error\n"
-            "end=time.monotonic()+float(sys.argv[2])\n"
-            "while True:\n"
-            "    try:\n"
-            "        sys.stdout.buffer.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()); break\n"
-            "    except urllib.error.HTTPError as e:\n"
-            "        if e.code != 404 or time.monotonic() > end: raise\n"
-            "        time.sleep(0.2)\n")
-    url = f"{region.url}/p2p/v1/torrents/{digest}?repo={repository}&ns={registry.host}"
-    proc = subprocess.run(["ip", "netns", "exec", lab.hub.ns, sys.executable, "-c", code, url, str(timeout)],
-                          capture_output=True, timeout=timeout + 30, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"no torrent for {digest} from the region: {proc.stderr.decode()[-1000:]}")
-    return proc.stdout

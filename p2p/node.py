@@ -11,6 +11,10 @@ and origin directly, as without a swarm.
 statistics() of the returned chain keeps FetchChain's shape ({source: counters}) with
 bytes of both paths added up per source, plus a "swarm" entry carrying the swarm's
 figures (bytes from peers, local storage and fallback, uploads, peers connected).
+
+With `config["root"]` (a node's root), the chain also serves ROOT/swarm.sock
+(p2p/control.py): the bulk path (download a layer's whole blob through the swarm) for
+prefetch hooks and tests, in the process that owns the swarm.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from cache.source import FetchChain, Source
+from p2p.control import SOCKET_NAME, Control, ControlServer
 from p2p.swarm import Swarm, SwarmConfig, SwarmSource
 from p2p.tracker.client import MetadataClient
 from shoal.errors import ShoalError
@@ -35,6 +40,7 @@ class SwarmChain(FetchChain):
 
     swarm: Swarm | None = None
     fallback: FetchChain | None = None
+    control: ControlServer | None = None
     _closed: bool = field(default=False, repr=False)
 
     def statistics(self) -> dict[str, dict]:
@@ -52,6 +58,8 @@ class SwarmChain(FetchChain):
         if self._closed:
             return
         self._closed = True
+        if self.control is not None:
+            self.control.close()
         super().close()  # closes the swarm source (and so the session) and the others
 
 
@@ -75,4 +83,12 @@ def swarm_chain(sources: list[Source], config: dict) -> FetchChain:
     except (ShoalError, OSError) as exc:
         log.error("swarm disabled: %s", exc)
         return FetchChain(list(sources))
-    return SwarmChain([SwarmSource(swarm), *sources], swarm=swarm, fallback=fallback)
+    chain = SwarmChain([SwarmSource(swarm), *sources], swarm=swarm, fallback=fallback)
+    root = config.get("root")
+    if root:
+        try:
+            control = Control(chain, os.path.join(root, "layers"))
+            chain.control = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
+        except OSError as exc:
+            log.error("swarm control socket in %s: %s", root, exc)
+    return chain

@@ -33,7 +33,52 @@ def node_status(root: str) -> dict:
     unpacked = os.path.join(root, "unpacked")
     if os.path.isdir(unpacked):
         status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
+    status["fetch"] = fetch_figures(status.get("data_path") or {})
     return status
+
+
+def fetch_figures(data_path: dict) -> dict:
+    """Where the node's bytes came from, and what it gave its peers: the figures of
+    `shoal status` and of the node's /metrics. Source bytes are compressed blob bytes
+    (the region's and origin's count both paths: for the swarm, which fetches whole
+    pieces of what no peer has, and around it); store bytes are decompressed chunks."""
+    sources = data_path.get("sources") or {}
+    swarm = sources.get("swarm") or {}
+    return {
+        "bytes_from_store": (data_path.get("store") or {}).get("bytes_read", 0),
+        "bytes_from_peers": swarm.get("bytes_from_peers", 0),
+        "bytes_from_region": (sources.get("region") or {}).get("bytes", 0),
+        "bytes_from_origin": (sources.get("origin") or {}).get("bytes", 0),
+        "bytes_to_peers": swarm.get("bytes_to_peers", 0),
+        "swarm": "swarm" in sources,
+        "peers_connected": swarm.get("peers_connected", 0),
+        "torrents": len(swarm.get("torrents") or []),
+        "hash_failures": swarm.get("hash_failures", 0),
+        "peers_banned": swarm.get("peers_banned", 0),
+    }
+
+
+def node_metrics(s: dict) -> str:
+    """The node's /metrics text (Prometheus) from node_status()."""
+    from shoal.metrics import render
+
+    f = s["fetch"]
+    counter, gauge = "counter", "gauge"
+    swarm = f if f["swarm"] else {}  # no swarm figures from a node without one
+    return render([
+        ("shoal_node_fetched_bytes_total", counter,
+         "Bytes read, by source (store: decompressed chunks; others: compressed blob bytes).",
+         [({"source": k}, f[f"bytes_from_{k}"]) for k in ("store", "peers", "region", "origin")]),
+        ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
+        ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
+        ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),
+        ("shoal_node_swarm_hash_failures_total", counter, "Pieces from peers that failed their hash.",
+         swarm.get("hash_failures")),
+        ("shoal_node_swarm_peers_banned_total", counter, "Peers banned for bad pieces.", swarm.get("peers_banned")),
+        ("shoal_node_layers", gauge, "Layers provided by the node, by kind.",
+         [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
+        ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
+    ])
 
 
 def format_status(s: dict) -> str:
@@ -58,7 +103,18 @@ def format_status(s: dict) -> str:
             f" evictions {store.get('evictions', 0)}"
         )
     for name, st in (dp.get("sources") or {}).items():
-        lines.append(f"  source {name}: {st['requests']} requests, {st['bytes']:,} B, {st['errors']} errors")
+        lines.append(f"  source {name}: {st.get('requests', 0)} requests, {st.get('bytes', 0):,} B,"
+                     f" {st.get('errors', 0)} errors")
+    f = s.get("fetch") or fetch_figures(dp)
+    lines.append(
+        f"  bytes from: store {f['bytes_from_store']:,}, peers {f['bytes_from_peers']:,},"
+        f" region {f['bytes_from_region']:,}, origin {f['bytes_from_origin']:,}"
+    )
+    if f["swarm"]:
+        lines.append(
+            f"  swarm: {f['peers_connected']} peers connected, {f['torrents']} blobs, {f['bytes_to_peers']:,} B to"
+            f" peers, {f['hash_failures']} hash failures, {f['peers_banned']} peers banned"
+        )
     return "\n".join(lines)
 
 

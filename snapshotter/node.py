@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 import threading
 import tomllib
 import types
@@ -52,6 +53,24 @@ class FetchConfig:
     region_url: str = ""  # the region cache (`shoal region`), tried before the origin; "" = none
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
     store_capacity: int = 0  # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
+    memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
+    readahead_kb: int = 1024  # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
+
+
+@dataclass
+class MetricsConfig:
+    """[metrics]: Prometheus text at http://ADDRESS/metrics (bytes by source, swarm peers,
+    layers), from the same figures as `shoal status`."""
+
+    address: str = ""  # "HOST:PORT" to serve on (e.g. "127.0.0.1:9464"); "" = off
+
+    def host_port(self) -> tuple[str, int] | None:
+        if not self.address:
+            return None
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ShoalError(f"metrics.address {self.address!r}: want HOST:PORT, e.g. 127.0.0.1:9464")
+        return host.strip("[]"), int(port)
 
 
 @dataclass
@@ -64,6 +83,7 @@ class NodeConfig:
     # [swarm]: the libtorrent swarm (p2p.swarm.SwarmConfig documents and checks its keys
     # when the layer file system starts; `enabled = true` turns it on).
     swarm: dict = field(default_factory=dict)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def _typed(value: object, hint: object, where: str) -> object:
@@ -123,6 +143,10 @@ def load_config(path: str | Path | None) -> NodeConfig:
         raise ShoalError(f"{path}: {e}") from None
     if config.snapshotter.grpc_threads < 1:
         raise ShoalError(f"{path}: snapshotter.grpc_threads must be at least 1")
+    try:
+        config.metrics.host_port()
+    except ShoalError as e:
+        raise ShoalError(f"{path}: {e}") from None
     return config
 
 
@@ -147,6 +171,7 @@ class Node:
         self.remote = remote
         self.snapshotter = None
         self._server = None
+        self._metrics = None
         self._lock_fd: int | None = None
         self._ready = False
 
@@ -163,6 +188,9 @@ class Node:
             self.snapshotter.recover()
             self._server = SnapshotsServer(self.snapshotter, self.socket, self.config.snapshotter.grpc_threads)
             self._server.start()
+            address = self.config.metrics.host_port()
+            if address is not None:
+                self._metrics = _serve_metrics(address, str(self.root))
         except BaseException:
             self.stop()
             raise
@@ -182,6 +210,10 @@ class Node:
     def stop(self) -> None:
         """Stop serving (running calls get the grace period), close the metadata, unlock.
         Idempotent. Remote layers stay mounted: running containers use them."""
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+            self._metrics = None
         if self._server is not None:
             self._server.stop(self.config.snapshotter.shutdown_grace)
             self._server = None
@@ -204,3 +236,43 @@ class Node:
             os.close(fd)
             raise ShoalError(f"{self.root} is in use by another shoal node") from None
         self._lock_fd = fd
+
+
+def _serve_metrics(address: tuple[str, int], root: str):
+    """GET /metrics on a thread of its own: the figures of `shoal status` for Prometheus."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from shoal.metrics import CONTENT_TYPE
+    from snapshotter.client_cli import node_metrics, node_status
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            try:
+                body = node_metrics(node_status(root)).encode()
+            except (OSError, ShoalError, ValueError) as e:
+                log.warning("metrics: %s", e)
+                self.send_error(500, str(e))
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("metrics: " + format, *args)
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        daemon_threads = True
+
+    try:
+        server = Server(address, Handler)
+    except OSError as e:
+        raise ShoalError(f"metrics: cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
+    threading.Thread(target=server.serve_forever, name="shoal-metrics", daemon=True).start()
+    log.info("metrics at http://%s:%d/metrics", *server.server_address[:2])
+    return server

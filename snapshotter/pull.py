@@ -180,6 +180,58 @@ class _RpcFailure(ShoalError):
         self.code = code
 
 
+def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str, plain: bool) -> dict[str, str]:
+    """The remote-snapshot labels of one layer's Prepare (see snapshotter/remote.py)."""
+    labels = {
+        remote.LABEL_TARGET: chain,
+        remote.LABEL_IMAGE_REF: name,
+        remote.LABEL_LAYER_DIGEST: layer["digest"],
+        remote.LABEL_LAYER_SIZE: str(layer.get("size", "")),
+        remote.LABEL_LAYER_MEDIA_TYPE: layer.get("mediaType", ""),
+        remote.LABEL_CRI_IMAGE_REF: name,
+        remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
+        remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
+    }
+    if plain:
+        labels[remote.LABEL_PLAIN_HTTP] = "true"
+    ann = layer.get("annotations")
+    loc = location_from_annotations(ann)
+    if loc is not None:
+        labels[remote.LABEL_TOC_POSITION] = (
+            ann.get(MANIFEST_POSITION) or f"{loc.toc.offset}:{loc.toc.length}:{loc.toc.uncompressed}:1")
+        labels[remote.LABEL_TOC_DIGEST] = ann.get(MANIFEST_CHECKSUM) or loc.toc_digest
+    return labels
+
+
+def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_digest: str, layers: list[dict],
+                    chains: list[str], plain: bool) -> list[PulledLayer]:
+    pulled: list[PulledLayer] = []
+    for i, (layer, chain) in enumerate(zip(layers, chains)):
+        what = f"{name}: layer {i + 1}/{len(layers)} {layer['digest']}"
+        if ctr.snapshot_exists(snapshotter, chain):
+            pulled.append(PulledLayer(layer["digest"], chain, "present", layer.get("size")))
+            continue
+        labels = layer_labels(name, layer, chain, manifest_digest, plain)
+        ctr.prepare_remote(snapshotter, chains[i - 1] if i else "", labels, what)
+        kind = "lazy" if remote.LABEL_TOC_POSITION in labels else "unpacked"
+        log.info("%s: %s", what, kind)
+        pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
+    return pulled
+
+
+def provide_layers(address: str, name: str, manifest_digest: str, layers: list[dict], diff_ids: list[str],
+                   plain: bool = False, snapshotter: str = "shoal") -> list[PulledLayer]:
+    """Have the snapshotter behind `address` provide an image's layers (what `shoal pull`
+    does without the content, image and lease records). `address` may be a shoal node's
+    own socket, which serves the same Snapshots API: tests and tools use a node without
+    containerd this way. `name` is HOST/REPO[:TAG], `layers` the manifest's descriptors."""
+    ctr = _Containerd(address, "default")
+    try:
+        return _provide_layers(ctr, snapshotter, name, manifest_digest, layers, chain_ids(diff_ids), plain)
+    finally:
+        ctr.close()
+
+
 def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: str) -> tuple[Manifest, dict | None]:
     if root.media_type in mt.MANIFEST_TYPES:
         return root, None
@@ -223,35 +275,7 @@ def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", p
             raise FormatError(f"{ref}: config lists {len(diff_ids)} diff_ids for {len(layers)} layers")
         chains = chain_ids(diff_ids)
         ctr.create_lease()
-        pulled: list[PulledLayer] = []
-        for i, (layer, chain) in enumerate(zip(layers, chains)):
-            lazy = location_from_annotations(layer.get("annotations")) is not None
-            what = f"{name}: layer {i + 1}/{len(layers)} {layer['digest']}"
-            if ctr.snapshot_exists(snapshotter, chain):
-                pulled.append(PulledLayer(layer["digest"], chain, "present", layer.get("size")))
-                continue
-            labels = {
-                remote.LABEL_TARGET: chain,
-                remote.LABEL_IMAGE_REF: name,
-                remote.LABEL_LAYER_DIGEST: layer["digest"],
-                remote.LABEL_LAYER_SIZE: str(layer.get("size", "")),
-                remote.LABEL_LAYER_MEDIA_TYPE: layer.get("mediaType", ""),
-                remote.LABEL_CRI_IMAGE_REF: name,
-                remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
-                remote.LABEL_CRI_MANIFEST_DIGEST: manifest.digest,
-            }
-            if plain:
-                labels[remote.LABEL_PLAIN_HTTP] = "true"
-            if lazy:
-                ann = layer["annotations"]
-                loc = location_from_annotations(ann)
-                labels[remote.LABEL_TOC_POSITION] = (
-                    ann.get(MANIFEST_POSITION) or f"{loc.toc.offset}:{loc.toc.length}:{loc.toc.uncompressed}:1")
-                labels[remote.LABEL_TOC_DIGEST] = ann.get(MANIFEST_CHECKSUM) or loc.toc_digest
-            ctr.prepare_remote(snapshotter, chains[i - 1] if i else "", labels, what)
-            kind = "lazy" if lazy else "unpacked"
-            log.info("%s: %s", what, kind)
-            pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
+        pulled = _provide_layers(ctr, snapshotter, name, manifest.digest, layers, chains, plain)
         # content: config (holding the snapshot GC reference), manifest, index
         gc = f"containerd.io/gc.ref.snapshot.{snapshotter}"
         ctr.write_content(config_bytes, config_desc["digest"], {gc: chains[-1]} if chains else {})

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p.netlab import registry_log
+from p2p.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 START_TIMEOUT = 20.0
@@ -154,46 +154,6 @@ def start_registry(workdir: Path, auth: dict | None) -> RegistryServer:
 
 
 # --- mounts ---------------------------------------------------------------------------
-
-
-def _unescape_mount_path(field: str) -> str:
-    """/proc/self/mounts escapes space, tab, newline and backslash as \\ooo."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def mounts_under(*paths: Path | str) -> list[str]:
-    """Mount points at or below any of `paths`, deepest first."""
-    prefixes = [os.path.realpath(p) for p in paths]
-    found = []
-    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            fields = line.split()
-            if len(fields) < 2:
-                continue
-            point = _unescape_mount_path(fields[1])
-            if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
-                found.append(point)
-    return sorted(set(found), key=lambda p: (p.count("/"), len(p)), reverse=True)
-
-
-def unmount_under(*paths: Path | str) -> list[str]:
-    """Lazily unmount everything at or below `paths` (deepest first); returns what was
-    still mounted afterwards (empty when all went)."""
-    for _ in range(3):
-        points = mounts_under(*paths)
-        if not points:
-            return []
-        for point in points:
-            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-    return mounts_under(*paths)
 
 
 def missing_dirs(*paths: Path | str) -> list[Path]:

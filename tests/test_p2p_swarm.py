@@ -1,13 +1,20 @@
-"""The swarm across real processes and a real network: every node is a p2p.agent process
-(the node's fetch chain from snapshotter/assemble.py: swarm, region, origin) in its own
-network namespace with its own address; the origin (Debian's docker-registry) and the
-region (cache.region with the tracker and metadata service mounted, p2p/region.py) run
-in a hub namespace that holds the bridge. Addresses are 192.0.2.0/24 (TEST-NET-1) and
-exist only inside these namespaces (see p2p/netlab.py). Every process is stopped by PID
-and every namespace removed on teardown, also when a test fails.
+"""The swarm across real processes and a real network (issue 5): every node is a real
+`shoal node` (snapshotter gRPC, FUSE layer file system, libtorrent swarm) in its own
+network namespace with its own address; the origin (Debian's docker-registry) and a real
+`shoal region` (cache, tracker, torrent metadata) run in a hub namespace that holds the
+bridge. Addresses are 192.0.2.0/24 (TEST-NET-1) and exist only inside these namespaces
+(p2p/netlab.py).
 
-Bytes are counted where they leave: the origin's own access log, the region's counters,
-each node's chain and swarm counters.
+A layer reaches a node as containerd hands it over: a Prepare with the remote-snapshot
+labels on the node's socket (snapshotter.pull.provide_layers). The test then reads the
+layer's files through the node's FUSE mount (ROOT/mnt/<hex>: processes enter only the
+namespace's network, so the mounts are the test's too), which is the on-demand path, or
+asks the node's swarm control socket for the whole blob (the bulk path).
+
+Bytes are counted where they leave: the origin's own access log, the region's /-/status,
+each node's `shoal status --json`. Every process is stopped by PID, every mount under
+the nodes' roots unmounted and every namespace removed on teardown, also when a test
+fails (netlab.Lab.close).
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
+import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,19 +35,24 @@ import pytest
 
 pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (shoal[node])")
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
+pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
 from p2p import netlab
+from shoal.metrics import parse as parse_metrics
+from snapshotter.client_cli import node_status
 
-REPO = "p2p/blob"
-REGISTRY_BIN = "/usr/bin/docker-registry"
+MiB = 1 << 20
+PIECE = 256 << 10  # the region's piece size for blobs this small (p2p/metainfo.py)
 
 
 def _skip_reason() -> str | None:
     reason = netlab.available()
     if reason:
         return reason
-    if not os.access(REGISTRY_BIN, os.X_OK):
-        return f"{REGISTRY_BIN} is not installed (Debian package docker-registry)"
+    if not os.access(netlab.REGISTRY_BIN, os.X_OK):
+        return f"{netlab.REGISTRY_BIN} is not installed (Debian package docker-registry)"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
     return None
 
 
@@ -45,39 +60,50 @@ pytestmark = [pytest.mark.registry, pytest.mark.skipif(_skip_reason() is not Non
 
 
 class World:
-    """The lab shared by the tests of this module: hub (registry, region) and 5 node
-    namespaces; agents are started per test."""
+    """The lab shared by the tests of this module: the hub (registry, region) and five
+    node namespaces; `shoal node` processes are started per test."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        # unix socket paths (node gRPC, layer file system, swarm control) must be short
+        self.short = Path(tempfile.mkdtemp(prefix="shsw-", dir="/tmp"))
         self.lab = netlab.Lab()
         try:
             self.registry = netlab.start_registry(self.lab, workdir)
-            self.region = netlab.start_region(self.lab, workdir, self.registry, interval=15)
+            self.region = netlab.start_region(self.lab, workdir, self.registry)
             self.hosts = [self.lab.add_node() for _ in range(5)]
         except BaseException:
-            self.lab.close()
+            self.close()
             raise
         self._seed = 0
 
-    def blob(self, size: int) -> dict:
-        """A new random blob, pushed to the origin, its torrent ready at the region."""
+    def close(self) -> None:
+        self.lab.close()
+        shutil.rmtree(self.short, ignore_errors=True)
+
+    def image(self, sizes: dict[str, int]) -> tuple[netlab.LabImage, dict[str, str]]:
+        """A new one-layer image of random files (name -> size), converted to zstd:chunked,
+        pushed to the origin, its layer's torrent ready at the region; with the sha256 of
+        each file."""
+        from builder.convert import convert
+        from builder.oci.fromdir import build_image
+
         self._seed += 1
-        data = random.Random(self._seed).randbytes(size)
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        path = self.workdir / f"blob-{self._seed}"
-        path.write_bytes(data)
-        torrent = netlab.publish_blob(self.lab, self.registry, self.region, REPO, path, digest)
-        return {"registry": self.registry.host, "repository": REPO, "digest": digest, "size": size,
-                "plain_http": True, "path": str(path), "torrent": torrent}
+        work = self.workdir / f"image{self._seed}"
+        tree = work / "tree"
+        tree.mkdir(parents=True)
+        files = {}
+        for i, (name, size) in enumerate(sizes.items()):
+            data = random.Random(self._seed * 100 + i).randbytes(size)
+            (tree / name).write_bytes(data)
+            files[name] = hashlib.sha256(data).hexdigest()
+        build_image([str(tree)], f"oci:{work}/plain", compression="none", workdir=str(work))
+        convert(f"oci:{work}/plain", f"oci:{work}/chunked")
+        image = netlab.publish_image(self.lab, self.registry, self.region, work / "chunked", f"swarm/img{self._seed}:v1")
+        return image, files
 
-    def agents(self, n: int = 4, **kwargs) -> list[netlab.LabAgent]:
-        tag = f"run{time.monotonic_ns()}"
-        (self.workdir / tag).mkdir()
-        return netlab.start_agents(self.lab, self.hosts[:n], self.workdir / tag, self.region, **kwargs)
-
-    def origin_bytes(self, blob: dict) -> int:
-        return self.registry.bytes_written(blob["digest"])[1]
+    def origin_bytes(self, digest: str) -> int:
+        return self.registry.bytes_written(digest)[1]
 
     def region_bytes(self) -> int:
         return self.region.status(self.lab)["region"]["bytes_served"]
@@ -89,42 +115,30 @@ def world(tmp_path_factory):
     try:
         yield world
     finally:
-        world.lab.close()
+        world.close()
 
 
 @pytest.fixture
-def agents(world):
-    """start(n, **options) -> agents; all stopped (by PID) after the test, caps removed."""
-    started: list[netlab.LabAgent] = []
+def nodes(world):
+    """start(n, **options) -> `shoal node`s on the first n hosts; after the test all are
+    stopped (by PID: node and layer file system server), unmounted, links uncapped."""
+    started: list[netlab.LabNode] = []
 
-    def start(n: int = 4, **kwargs) -> list[netlab.LabAgent]:
-        out = world.agents(n, **kwargs)
+    def start(n: int = 4, **kwargs) -> list[netlab.LabNode]:
+        run = Path(tempfile.mkdtemp(dir=world.short))
+        out = netlab.start_nodes(world.lab, world.hosts[:n], run, world.region, world.registry, **kwargs)
         started.extend(out)
         return out
 
     try:
         yield start
     finally:
-        for agent in started:
-            agent.stop(world.lab)
+        for node in started:
+            node.stop(world.lab)
+        for node in started:
+            assert not node.unmount(), f"{node.root}: still mounted"
         for host in world.hosts:
             world.lab.uncap(host)
-
-
-def _blob_arg(blob: dict) -> dict:
-    return {k: blob[k] for k in ("registry", "repository", "digest", "size", "plain_http")}
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while data := fh.read(1 << 20):
-            h.update(data)
-    return "sha256:" + h.hexdigest()
-
-
-def _read_all(agent: netlab.LabAgent, blob: dict) -> dict:
-    return agent.call({"op": "read_all", "blob": _blob_arg(blob), "chunk": 1 << 20, "threads": 4}, timeout=120)
 
 
 def _parallel(fn, items) -> list:
@@ -147,110 +161,194 @@ def _parallel(fn, items) -> list:
     return results
 
 
-def test_a_blob_one_node_fetched_comes_from_peers(world, agents):
-    """(1) Node 1 reads a blob on demand (from the region); nodes 2-4 then read it on
-    demand too, mostly from peers: region and origin serve about one copy."""
-    size = 24 << 20
-    blob = world.blob(size)
-    origin_before, region_before = world.origin_bytes(blob), world.region_bytes()
-    a, *others = agents(4)
-    assert _read_all(a, blob)["sha256"] == blob["digest"][7:]
-    results = _parallel(lambda agent: _read_all(agent, blob), others)
-    assert all(r["sha256"] == blob["digest"][7:] for r in results)
+def _sha256_file(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(MiB):
+            h.update(data)
+    return h.hexdigest()
+
+
+def _provide(world: World, nodes: list[netlab.LabNode], image: netlab.LabImage) -> list[Path]:
+    """Each node provides the image's one layer (lazily); its mount point on each."""
+    return [mounts[0] for mounts in _parallel(lambda node: node.provide(world.lab, image), nodes)]
+
+
+def _read(mount: Path, files: dict[str, str]) -> dict[str, str]:
+    """Every file of the layer read through the node's FUSE mount (files at once): name -> sha256."""
+    names = sorted(files)
+    return dict(zip(names, _parallel(lambda name: _sha256_file(mount / name), names)))
+
+
+def test_a_blob_one_node_fetched_comes_from_peers(world, nodes):
+    """(1) Four `shoal node`s provide a lazy layer of large files. Node 1 reads every
+    file (the region serves it, piece-aligned, into node 1's swarm); nodes 2-4 then read
+    them all at once, mostly from peers: region and origin serve about one copy."""
+    image, files = world.image({"a.bin": 20 * MiB, "b.bin": 12 * MiB, "c.bin": 4 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    origin_before, region_before = world.origin_bytes(digest), world.region_bytes()
+    group = nodes(4)
+    mounts = _provide(world, group, image)
+    assert _read(mounts[0], files) == files
+    assert _parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
 
     region_served = world.region_bytes() - region_before
-    origin_served = world.origin_bytes(blob) - origin_before
-    assert origin_served == 0  # the region filled the blob once when it made the torrent
+    origin_served = world.origin_bytes(digest) - origin_before  # each node's TOC read (Prepare)
+    statuses = [node.status() for node in group]
+    figures = [s["fetch"] for s in statuses]
+    print(f"\nblob {size:,} B: region served {region_served:,} B ({region_served / size:.3f} copies), "
+          f"origin {origin_served:,} B after the publish, {world.origin_bytes(digest):,} B in all")
+    for node, f in zip(group, figures):
+        print(f"  {node.host.ip}: peers {f['bytes_from_peers']:,} region {f['bytes_from_region']:,} "
+              f"origin {f['bytes_from_origin']:,} to peers {f['bytes_to_peers']:,} "
+              f"peers connected {f['peers_connected']}")
     assert region_served <= 1.05 * size, f"region served {region_served / size:.2f} copies"
-    for agent in others:
-        swarm = agent.stats()["swarm"]
-        assert swarm["bytes_from_peers"] >= 0.9 * size, swarm
-        assert swarm["bytes_from_fallback"] <= 0.1 * size, swarm
-        assert swarm["peers_connected"] >= 1
-    total_origin = world.origin_bytes(blob)
-    assert total_origin <= 1.05 * size, f"origin served {total_origin / size:.2f} copies in all"
+    assert origin_served < 0.01 * size, "the origin served layer bytes to nodes (beyond their TOCs)"
+    assert world.origin_bytes(digest) <= 1.05 * size, "the origin served more than one copy in all"
+    assert figures[0]["bytes_from_region"] >= 0.9 * size and figures[0]["bytes_from_peers"] < 0.1 * size
+    for f in figures[1:]:
+        assert f["bytes_from_peers"] >= 0.9 * size, f
+        assert f["bytes_from_region"] <= 0.1 * size, f
+        assert f["bytes_from_origin"] == 0, f
+        assert f["peers_connected"] >= 1, f
+    assert sum(f["bytes_to_peers"] for f in figures) >= 3 * 0.9 * size
+    assert all(s["lazy_layers"][0]["digest"] == digest for s in statuses)
+    text = subprocess.run([netlab.SHOAL, "status", "--root", str(group[1].root)], capture_output=True, text=True,
+                          check=True).stdout
+    assert re.search(r"bytes from: store [\d,]+, peers [\d,]{10}, region [\d,]+, origin 0\n", text), text
+    assert re.search(r"swarm: [1-9] peers connected, 1 blobs", text), text
 
 
-def test_a_node_killed_mid_transfer(world, agents):
-    """(2) The only complete node is killed while three others download from it: they
-    finish from each other and the region, and every byte is right."""
-    size = 40 << 20
-    blob = world.blob(size)
-    a, *others = agents(4)
-    a.call({"op": "download", "blob": _blob_arg(blob)})
-    for agent in (a, *others):
-        world.lab.cap(agent.host, 80)  # 10 MB/s each way: the transfer takes seconds
+def test_a_node_killed_mid_transfer(world, nodes):
+    """(2) The only complete node is killed (node and layer file system server, SIGKILL)
+    while three others download the blob from it through the swarm: they finish from
+    each other and the region, every byte is right (whole blob and every file through
+    FUSE), and the region served about one copy."""
+    image, files = world.image({"a.bin": 24 * MiB, "b.bin": 16 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    a, *others = group = nodes(4)
+    mounts = _provide(world, group, image)
+    a.download(digest)
+    for node in group:
+        world.lab.cap(node.host, 80)  # 10 MB/s each way: the transfer takes seconds
     region_before = world.region_bytes()
-    results: list = []
-    threads = [threading.Thread(target=lambda ag=ag: results.append(
-        ag.call({"op": "download", "blob": _blob_arg(blob), "timeout": 90}, timeout=120))) for ag in others]
+    results: dict = {}
+
+    def download(node: netlab.LabNode) -> None:
+        try:
+            results[node.host.ip] = node.download(digest, timeout=120)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[node.host.ip] = exc
+
+    threads = [threading.Thread(target=download, args=(node,)) for node in others]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # kill node 1 once the others have about a quarter
-        got = [ag.stats()["swarm"].get("bytes_from_peers", 0) for ag in others]
+    got = [0]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # kill node 1 once each of the others has about a quarter
+        got = [node_status(str(node.root))["fetch"]["bytes_from_peers"] for node in others]
         if min(got) >= size // 4:
             break
-        time.sleep(0.1)
-    assert min(got) < size, "the transfer ended before the kill"
+        time.sleep(0.05)
+    assert min(got) >= size // 4 and max(got) < size, f"no kill in the middle of the transfer: {got}"
     a.stop(world.lab, signal.SIGKILL)
     for t in threads:
-        t.join(150)
-    assert len(results) == 3
-    for r in results:
-        assert _sha256_file(r["path"]) == blob["digest"]
-    for agent in others:
-        assert _read_all(agent, blob)["sha256"] == blob["digest"][7:]
+        t.join(180)
+    for node in others:
+        path = results.get(node.host.ip)
+        assert isinstance(path, str), f"{node.host.ip}: {path!r}\n{node.log()}"
+        assert "sha256:" + _sha256_file(path) == digest
+    assert _parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
     region_served = world.region_bytes() - region_before
+    print(f"\nkilled at {[g / size for g in got]} of the blob from peers; region then served "
+          f"{region_served:,} B ({region_served / size:.3f} copies)")
     # what node 1 had not passed on yet came from the region: about once, not once per node
     assert region_served <= 1.05 * size, f"region served {region_served / size:.2f} copies after the kill"
 
 
-def test_a_peer_sending_corrupt_pieces_is_banned(world, agents):
-    """(3) Node 1's storage is corrupted after it completed the blob: node 2 detects the
-    bad pieces (hash check), bans node 1, and takes the data from the region."""
-    size = 16 << 20
-    blob = world.blob(size)
-    a, b = agents(2)
-    path = a.call({"op": "download", "blob": _blob_arg(blob)})["path"]
-    piece = 256 << 10
+def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
+    """(3) Node 1's torrent storage is corrupted after it completed the blob: node 2,
+    reading the layer's files through FUSE, detects the bad pieces (hash check), bans
+    node 1 and takes the data from the region; every file is right."""
+    image, files = world.image({"a.bin": 16 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    a, b = nodes(2)
+    _, mount_b = _provide(world, [a, b], image)
+    path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
-        for p in range(1, size // piece, 4):
-            fh.seek(p * piece + 1000)
+        for p in range(1, size // PIECE, 4):
+            fh.seek(p * PIECE + 1000)
             fh.write(os.urandom(4096))
-    r = b.call({"op": "download", "blob": _blob_arg(blob), "timeout": 60}, timeout=90)
-    assert _sha256_file(r["path"]) == blob["digest"]
-    stats = b.stats()
-    swarm = stats["swarm"]
-    assert swarm["hash_failures"] >= 1, swarm
-    assert swarm["peers_banned"] >= 1, swarm
-    assert swarm["bytes_from_fallback"] > 0 and stats["region"]["bytes"] > 0
-    assert _read_all(b, blob)["sha256"] == blob["digest"][7:]
+    assert _read(mount_b, files) == files
+    f = b.status()["fetch"]
+    assert f["hash_failures"] >= 1, f
+    assert f["peers_banned"] >= 1, f
+    assert f["bytes_from_region"] > 0, f
 
 
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
-def test_aria2_downloads_from_the_swarm(world, agents):
+def test_aria2_downloads_from_the_swarm(world, nodes):
     """(4) A stock BitTorrent client, with only the metadata the region publishes, gets
-    the blob from shoal nodes; the file hashes to the blob digest."""
-    size = 12 << 20
-    blob = world.blob(size)
-    seeders = agents(2)
-    for agent in seeders:
-        agent.call({"op": "download", "blob": _blob_arg(blob)})
+    the blob from two `shoal node`s that downloaded it (bulk); the file hashes to the
+    blob digest."""
+    image, _ = world.image({"a.bin": 12 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    seeders = nodes(2)
+    _provide(world, seeders, image)
+    for node in seeders:
+        node.download(digest)
     region_before = world.region_bytes()
-    host = world.hosts[4]
-    out = world.workdir / f"aria2-{blob['digest'][7:19]}"
+    out = world.workdir / f"aria2-{digest[7:19]}"
     out.mkdir()
-    (out / "blob.torrent").write_bytes(blob["torrent"])
-    proc = world.lab.run(host, [
+    (out / "blob.torrent").write_bytes(image.torrents[digest])
+    proc = world.lab.run(world.hosts[4], [
         "aria2c", "--dir", str(out / "data"), "--seed-time=0", "--enable-dht=false", "--enable-dht6=false",
         "--bt-enable-lpd=false", "--enable-peer-exchange=false", "--listen-port=6891",
         "--bt-stop-timeout=60", "--summary-interval=0", "--console-log-level=warn", "--check-certificate=false",
         str(out / "blob.torrent")], timeout=90)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     files = list((out / "data").iterdir())
-    assert [f.name for f in files] == ["sha256-" + blob["digest"][7:]]
-    assert _sha256_file(str(files[0])) == blob["digest"]
+    assert [f.name for f in files] == ["sha256-" + digest[7:]]
+    assert "sha256:" + _sha256_file(files[0]) == digest
     assert world.region_bytes() - region_before < size // 10  # from the shoal nodes, not the region
-    uploaded = sum(agent.stats()["swarm"]["bytes_to_peers"] for agent in seeders)
-    assert uploaded >= size
+    assert sum(node.status()["fetch"]["bytes_to_peers"] for node in seeders) >= size
+
+
+def test_node_and_region_metrics(world, nodes):
+    """`shoal node`'s /metrics ([metrics] address) and `shoal region`'s /-/metrics, in
+    Prometheus text: the node's bytes by source, peers and layers agree with `shoal
+    status`; the region's cache and tracker figures with its /-/status."""
+    image, files = world.image({"a.bin": 8 * MiB})
+    [layer] = image.layers
+    size = layer["size"]
+    a, b = nodes(2, metrics=True)
+    mount_a, mount_b = _provide(world, [a, b], image)
+    assert _read(mount_a, files) == files
+    assert _read(mount_b, files) == files
+
+    before = b.status()["fetch"]  # counters only grow: the metrics lie between two status reads
+    m = parse_metrics(b.metrics(world.lab))
+    after = b.status()["fetch"]
+    for source in ("store", "peers", "region", "origin"):
+        key = f"bytes_from_{source}"
+        assert before[key] <= m[f'shoal_node_fetched_bytes_total{{source="{source}"}}'] <= after[key], source
+    assert m['shoal_node_fetched_bytes_total{source="peers"}'] >= 0.9 * size
+    assert m["shoal_node_swarm_peers_connected"] >= 1
+    assert m['shoal_node_layers{kind="lazy"}'] == 1 and m["shoal_node_layer_fs_up"] == 1
+    assert parse_metrics(a.metrics(world.lab))["shoal_node_uploaded_bytes_total"] >= 0.9 * size
+
+    before = world.region.status(world.lab)
+    text = world.region.metrics(world.lab)
+    after = world.region.status(world.lab)
+    r = parse_metrics(text)
+    for metric, key in (("served_bytes_total", "bytes_served"), ("cache_hits_total", "hits"),
+                        ("origin_bytes_total", "origin_bytes")):
+        assert before["region"][key] <= r[f"shoal_region_{metric}"] <= after["region"][key], metric
+    assert r["shoal_region_origin_bytes_total"] >= size  # every image of this module was filled once
+    assert r["shoal_region_tracker_peers"] >= 2 and r["shoal_region_tracker_torrents"] >= 1
+    assert r["shoal_region_torrents_made_total"] == after["swarm"]["torrents"]["made"] >= 1
+    assert "# TYPE shoal_region_served_bytes_total counter" in text

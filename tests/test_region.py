@@ -463,6 +463,23 @@ def test_shoal_region_command(registry, tmp_path):
         proc.stdout.close()
 
 
+def test_metrics_text_format():
+    """shoal/metrics.py, behind the node's /metrics and the region's /-/metrics: help and
+    type lines, labels escaped, figures a service does not have (None) left out."""
+    from shoal.metrics import parse, render
+
+    text = render([
+        ("a_total", "counter", "A.\nmore", 3),
+        ("b_bytes", "gauge", "B.", [({"k": 'x"y\\z'}, 1.5), ({"k": "n"}, None)]),
+        ("c", "gauge", "not known", None),
+        ("d", "gauge", "D.", True),
+    ])
+    assert text == ('# HELP a_total A. more\n# TYPE a_total counter\na_total 3\n'
+                    '# HELP b_bytes B.\n# TYPE b_bytes gauge\nb_bytes{k="x\\"y\\\\z"} 1.5\n'
+                    '# HELP d D.\n# TYPE d gauge\nd 1\n')
+    assert parse(text) == {"a_total": 3, 'b_bytes{k="x\\"y\\\\z"}': 1.5, "d": 1}
+
+
 def test_shoal_region_usage_errors(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "shoal", "region", *args], check=False, cwd=REPO,

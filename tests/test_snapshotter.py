@@ -435,12 +435,16 @@ def test_config_defaults_and_errors(tmp_path):
     good.write_text("[snapshotter]\ngrpc_threads = 4\nshutdown_grace = 1\n")
     config = load_config(good)
     assert (config.snapshotter.grpc_threads, config.snapshotter.shutdown_grace) == (4, 1.0)
+    assert load_config(None).metrics.host_port() is None  # off by default
+    good.write_text("[metrics]\naddress = '[::1]:9464'\n")
+    assert load_config(good).metrics.host_port() == ("::1", 9464)
     for text, message in [
         ("[snapshoter]\n", "unknown configuration key snapshoter"),
         ("[snapshotter]\ngrpc_thread = 4\n", "unknown configuration key snapshotter.grpc_thread"),
         ("[snapshotter]\ngrpc_threads = 'four'\n", "snapshotter.grpc_threads: expected int"),
         ("[snapshotter]\ngrpc_threads = 0\n", "at least 1"),
         ("[snapshotter\n", "not valid TOML"),
+        ("[metrics]\naddress = 'localhost'\n", "metrics.address 'localhost': want HOST:PORT"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

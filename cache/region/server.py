@@ -9,7 +9,8 @@ HTTP API (what nodes and containerd, as a hosts.toml mirror, talk to):
 - Other `GET`/`HEAD /v2/...` (the `/v2/` ping, manifests, tags): passed through to the
   origin with the client's credentials, not cached, so that a mirror with the `resolve`
   capability works and clients see the origin's auth challenges. Other methods: 405.
-- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy`: 200.
+- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy`: 200;
+  `GET /-/metrics`: the same figures (and the swarm service's) for Prometheus.
 
 Blob requests, in order:
 1. Access: unless `auth.check` is off, the client's credentials must be allowed for the
@@ -53,6 +54,7 @@ from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRa
 from cache.region.config import RegionConfig
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
+from shoal.metrics import CONTENT_TYPE, render
 
 log = logging.getLogger("shoal.region")
 
@@ -251,6 +253,7 @@ class RegionCache:
             "denied", "not_found", "errors", "aborted", "proxied",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
+        self.swarm = None  # the swarm service (p2p/tracker/server.py SwarmService) when mounted
         self.app = self._make_app()
 
     # --- the application ------------------------------------------------------------
@@ -259,6 +262,7 @@ class RegionCache:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_route("GET", "/-/status", self._status)
         app.router.add_route("GET", "/-/healthy", self._healthy)
+        app.router.add_route("GET", "/-/metrics", self._metrics)
         app.router.add_route("*", r"/v2/{name:.+}/blobs/{digest:[^/]+}", self._blob)
         app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
         app.on_startup.append(self._on_startup)
@@ -283,9 +287,12 @@ class RegionCache:
             except HTTPFailure as f:
                 raise _http_error(f) from None
 
+        from p2p.tracker.server import SERVICE_KEY
+
         host, port = self.config.listen_address
-        mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
-                        self_url=f"http://{host}:{port}", authorize=authorize)
+        sub = mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
+                              self_url=f"http://{host}:{port}", authorize=authorize)
+        self.swarm = sub[SERVICE_KEY]
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
@@ -315,6 +322,15 @@ class RegionCache:
         except BackendError as exc:
             backend = {"error": str(exc)}
         return web.json_response({"origin": self.upstream.url, **self.statistics(), "backend": backend})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            backend = await self._run(self.backend.statistics)
+        except BackendError:
+            backend = {}
+        return web.Response(text=region_metrics(self.statistics(), backend,
+                                                self.swarm.statistics() if self.swarm else None),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def _healthy(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -628,6 +644,36 @@ class RegionCache:
             await resp.write_eof()
         log.info("%s %s %s -> %d (origin)", request.remote, request.method, request.path, upstream.status)
         return resp
+
+
+def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
+    """`GET /-/metrics`: RegionCache.statistics(), the backend's and the swarm service's."""
+    c, g = "counter", "gauge"
+    out = [
+        ("shoal_region_requests_total", c, "Blob requests.", stats["requests"]),
+        ("shoal_region_cache_hits_total", c, "Blob requests served from the cache.", stats["hits"]),
+        ("shoal_region_cache_misses_total", c, "Blob requests that started a fill from the origin.", stats["misses"]),
+        ("shoal_region_coalesced_total", c, "Blob requests that joined a fill under way.", stats["coalesced"]),
+        ("shoal_region_served_bytes_total", c, "Blob bytes sent to clients.", stats["bytes_served"]),
+        ("shoal_region_origin_bytes_total", c, "Blob bytes read from the origin.", stats["origin_bytes"]),
+        ("shoal_region_fills_total", c, "Fills by outcome.",
+         [({"result": "committed"}, stats["fills_committed"]), ({"result": "failed"}, stats["fills_failed"])]),
+        ("shoal_region_errors_total", c, "Blob requests answered 5xx.", stats["errors"]),
+        ("shoal_region_stored_bytes", g, "Bytes in the backend.", backend.get("size_bytes")),
+        ("shoal_region_capacity_bytes", g, "The backend's capacity.", backend.get("capacity_bytes")),
+        ("shoal_region_stored_blobs", g, "Blobs in the backend.", backend.get("blobs")),
+    ]
+    if swarm is not None:
+        torrents = swarm.get("torrents") or {}
+        out += [
+            ("shoal_region_tracker_torrents", g, "Blobs with at least one peer.", swarm["swarms"]),
+            ("shoal_region_tracker_peers", g, "Peers the tracker knows, over all blobs.", swarm["peers"]),
+            ("shoal_region_tracker_downloaders", g, "Peers downloading a blob whole (ranked).", swarm["downloading"]),
+            ("shoal_region_tracker_announces_total", c, "Tracker announces.", swarm["announces"]),
+            ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
+            ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
+        ]
+    return render(out)
 
 
 def _http_error(f: HTTPFailure) -> web.HTTPException:

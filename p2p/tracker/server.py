@@ -342,11 +342,14 @@ class SwarmService:
                 files[info_hash] = {"complete": complete, "incomplete": incomplete, "downloaded": downloaded}
         return web.Response(body=bencode.encode({"files": files}), content_type="text/plain")
 
-    async def status(self, request: web.Request) -> web.Response:
+    def statistics(self) -> dict:
         out = {**self.table.statistics(), **self.stats}
         if self.torrents is not None:
             out["torrents"] = self.torrents.statistics()
-        return web.json_response(out)
+        return out
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.statistics())
 
 
 def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,

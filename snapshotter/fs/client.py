@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from shoal import localrpc
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.fs")
@@ -30,20 +30,7 @@ class FSClient:
         self.pid: int | None = None
 
     def call(self, op: str, timeout: float = 60.0, **args) -> dict:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(self.sock_path)
-            s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
-            buf = b""
-            while not buf.endswith(b"\n"):
-                data = s.recv(65536)
-                if not data:
-                    raise ShoalError(f"layer file system server closed the connection during {op}")
-                buf += data
-        reply = json.loads(buf)
-        if not reply.get("ok"):
-            raise ShoalError(f"layer file system: {op} failed: {reply.get('error')}")
-        return reply
+        return localrpc.call(self.sock_path, {"op": op, **args}, timeout, "layer file system")
 
     def running(self) -> bool:
         try:

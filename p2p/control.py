@@ -1,0 +1,121 @@
+"""A node's swarm behind a control socket: the bulk path (a whole blob through the swarm,
+for prefetch and background completion) and the chain's figures.
+
+`shoal node`'s layer file system process serves ROOT/swarm.sock when the swarm is on
+(p2p/node.py); p2p/agent.py serves the same ops plus its own. A unix socket lives in the
+file system, so a hook or a test reaches it whatever network namespace the node is in.
+One JSON request per line, one JSON answer per line (`{"ok": true, ...}` or
+`{"ok": false, "error": "..."}`; shoal/localrpc.py is the client):
+
+    {"op": "ping"}                                        -> {"pid", "listen_port"}
+    {"op": "stats"}                                       -> {"stats": chain.statistics()}
+    {"op": "download", "layer": HEX, "timeout": S}        -> {"path", "seconds"}
+    {"op": "download", "blob": BLOB, "wait": false}       -> {"started": true}
+
+`layer` names a layer the node provides (its digest or hex; ROOT/layers/<hex>/blob.json
+says where the blob lives); BLOB is {"registry", "repository", "digest", "size",
+"plain_http"}. A download with `wait` (the default) answers when the blob is complete,
+checked against its digest and seeded; without, at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from cache.source import BlobRef
+from shoal.digest import check_digest, is_digest
+from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.swarm")
+
+SOCKET_NAME = "swarm.sock"
+
+
+def blob_from_dict(d: dict) -> BlobRef:
+    return BlobRef(d["registry"], d["repository"], d["digest"], d.get("size"), bool(d.get("plain_http")))
+
+
+class Control:
+    """The ops on a chain whose first source may be the swarm (p2p/node.py SwarmChain)."""
+
+    def __init__(self, chain, layers_dir: str | None = None) -> None:
+        self.chain = chain
+        self.swarm = getattr(chain, "swarm", None)
+        self.layers_dir = layers_dir
+
+    def blob(self, req: dict) -> BlobRef:
+        if "blob" in req:
+            return blob_from_dict(req["blob"])
+        layer = str(req.get("layer", ""))
+        layer = check_digest(layer).split(":", 1)[1] if ":" in layer else layer
+        if self.layers_dir is None or not is_digest("sha256:" + layer):
+            raise ShoalError(f"download: want a blob or the id of a layer this node provides, not {layer[:80]!r}")
+        try:
+            with open(os.path.join(self.layers_dir, layer, "blob.json")) as fh:
+                return blob_from_dict(json.load(fh))
+        except FileNotFoundError:
+            raise ShoalError(f"layer {layer}: not provided by this node") from None
+
+    def handle(self, req: dict) -> dict:
+        op = req.get("op")
+        if op == "ping":
+            return {"pid": os.getpid(), "listen_port": self.swarm.listen_port if self.swarm else 0}
+        if op == "stats":
+            return {"stats": self.chain.statistics()}
+        if op == "download":
+            if self.swarm is None:
+                raise ShoalError("download: the swarm is off on this node")
+            blob, start = self.blob(req), time.monotonic()
+            if not req.get("wait", True):
+                self.swarm.start_download(blob)
+                return {"started": True}
+            return {"path": self.swarm.download(blob, req.get("timeout")), "seconds": time.monotonic() - start}
+        raise ShoalError(f"unknown op {op!r}")
+
+
+class ControlServer:
+    """JSON lines on a unix socket, a thread per connection; `handle(request) -> answer`."""
+
+    def __init__(self, path: str, handle: Callable[[dict], dict]) -> None:
+        self.path, self.handle = path, handle
+        if os.path.exists(path):
+            os.unlink(path)  # left by a process that died
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
+        self._sock.listen(64)
+
+    def start(self) -> ControlServer:
+        threading.Thread(target=self.serve_forever, name="shoal-control", daemon=True).start()
+        return self
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as fh:
+            for line in fh:
+                try:
+                    out = {"ok": True, **self.handle(json.loads(line))}
+                except (ShoalError, OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
+                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                except Exception as exc:  # answered, and logged: a bug must not kill the socket
+                    log.exception("control: %s", line[:200])
+                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                fh.write(json.dumps(out).encode() + b"\n")
+                fh.flush()
+
