@@ -853,6 +853,54 @@ class RangeLoader:
         return [decode_chunk(c, raw, what) for c, raw in zip(chunks, raws)]
 
 
+class ChunkMemory:
+    """Decompressed, verified chunks in memory: a byte-bounded LRU, thread-safe.
+
+    Keys are chunk digests (so one copy serves every layer that has the chunk) or, for
+    chunks without one, a key private to their reader. A LayerReader keeps its own small
+    one unless it is given one to share (the node gives every layer the same one).
+    """
+
+    def __init__(self, capacity: int = 64 << 20):
+        self._data: OrderedDict[object, bytes] = OrderedDict()
+        self._size = 0
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: object) -> bytes | None:
+        with self._lock:
+            data = self._data.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return data
+
+    def contains(self, key: object) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def put(self, key: object, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return
+            self._data[key] = data
+            self._size += len(data)
+            while self._size > self.capacity:
+                _, old = self._data.popitem(last=False)
+                self._size -= len(old)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return {"memory_bytes": self._size, "memory_chunks": len(self._data), "memory_capacity": self.capacity,
+                    "memory_hits": self.hits, "memory_misses": self.misses}
+
+
 @dataclass
 class Stat:
     name: str
@@ -873,16 +921,17 @@ class LayerReader:
 
     Paths are root-relative ("" is the root; leading "/" is accepted). Reads load only
     the chunks they need through `loader` (or a RangeLoader over `fetch`), which verifies
-    every chunk against its sha256 before a byte of it is returned; a few decompressed
-    chunks are kept in an LRU, so sequential small reads decode each chunk once.
+    every chunk against its sha256 before a byte of it is returned. Decompressed chunks
+    are kept in `memory` (a ChunkMemory; by default a small one of the reader's own), so
+    sequential small reads decode each chunk once.
     Errors: FileNotFoundError / NotADirectoryError / IsADirectoryError / OSError for
     path problems (errno set, so FUSE can pass them on); DigestMismatch and FormatError
     when the layer's bytes are bad.
     """
 
     def __init__(
-        self, toc: Toc, fetch: FetchRanges | None = None, cache_chunks: int = 16, layer: str = "layer",
-        loader: ChunkLoader | None = None,
+        self, toc: Toc, fetch: FetchRanges | None = None, layer: str = "layer",
+        loader: ChunkLoader | None = None, memory: ChunkMemory | None = None,
     ):
         if loader is None:
             if fetch is None:
@@ -891,9 +940,7 @@ class LayerReader:
         self._loader = loader
         self._layer = layer
         self._offsets: dict[str, list[int]] = {}  # file -> its chunks' file offsets
-        self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
-        self._cache_max = cache_chunks
-        self._lock = threading.Lock()
+        self.memory = memory if memory is not None else ChunkMemory()
         self.entries: dict[str, Entry] = {}
         self.children: dict[str, dict[str, None]] = {"": {}}
         self.nlink: dict[str, int] = {}
@@ -1029,49 +1076,40 @@ class LayerReader:
             return b""
         return _slice_chunks(chunks, self.load_chunks(chunks, path), offset, size)
 
+    def memory_key(self, c: Chunk) -> object:
+        """The chunk's key in `memory`: its digest, or a key only this reader uses."""
+        return c.digest or (id(self), c.start, c.end)
+
     def read_cached(self, path: str, offset: int, size: int) -> bytes | None:
         """Like read(), but only from chunks already decompressed in memory; None if any
         chunk would have to be loaded (lets an event loop answer without a thread)."""
         if offset < 0 or size < 0:
             raise OSError(22, "Invalid argument", path)
         chunks = self.chunks_for(path, offset, size)
-        with self._lock:
-            datas = []
-            for c in chunks:
-                data = self._cache.get((c.start, c.end))
-                if data is None:
-                    if not c.zeros:
-                        return None
-                    data = bytes(c.size)
-                datas.append(data)
+        datas = []
+        for c in chunks:
+            data = bytes(c.size) if c.zeros else self.memory.get(self.memory_key(c))
+            if data is None:
+                return None
+            datas.append(data)
         return _slice_chunks(chunks, datas, offset, size)
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:
         """Decompressed, verified bytes of each chunk (fetching the missing ones at once)."""
-        result: dict[tuple[int, int], bytes] = {}
-        missing: list[Chunk] = []
-        with self._lock:
-            for c in chunks:
-                key = (c.start, c.end)
-                if key in self._cache:
-                    self._cache.move_to_end(key)
-                    result[key] = self._cache[key]
-                elif c.zeros:
-                    result[key] = bytes(c.size)
-                else:
-                    missing.append(c)
+        result: dict[int, bytes] = {}
+        missing: list[tuple[int, Chunk]] = []
+        for i, c in enumerate(chunks):
+            data = bytes(c.size) if c.zeros else self.memory.get(self.memory_key(c))
+            if data is None:
+                missing.append((i, c))
+            else:
+                result[i] = data
         if missing:
-            datas = self._loader.load(missing, f"{self._layer} {path!r}")
-            for c, data in zip(missing, datas):
-                result[(c.start, c.end)] = data
-            with self._lock:
-                for c in missing:
-                    key = (c.start, c.end)
-                    self._cache[key] = result[key]
-                    self._cache.move_to_end(key)
-                while len(self._cache) > self._cache_max:
-                    self._cache.popitem(last=False)
-        return [result[(c.start, c.end)] for c in chunks]
+            datas = self._loader.load([c for _, c in missing], f"{self._layer} {path!r}")
+            for (i, c), data in zip(missing, datas):
+                result[i] = data
+                self.memory.put(self.memory_key(c), data)
+        return [result[i] for i in range(len(chunks))]
 
 
 def _slice_chunks(chunks: Sequence[Chunk], datas: Sequence[bytes], offset: int, size: int) -> bytes:

@@ -319,41 +319,57 @@ class ContentDir:
         room can be made (the file is larger than the capacity, or everything else is
         pinned or being read).
         """
-        check_digest(digest)
-        temp = Path(temp)
+        return self.commit_many([(digest, temp, size)])[0]
+
+    def commit_many(self, items: list[tuple[str, str | os.PathLike, int | None]]) -> list[bool]:
+        """commit() for several (digest, temp, size) in one transaction (a writer that
+        stores many small chunks pays for one sqlite commit, not one each)."""
+        temps = [Path(t) for _, t, _ in items]
         try:
-            if size is None:
-                size = os.stat(temp).st_size
-            if self.fsync:
-                with open(temp, "rb") as fh:
-                    os.fsync(fh.fileno())
-            final = self.path(digest)
+            todo = []
+            for (digest, _, size), temp in zip(items, temps):
+                check_digest(digest)
+                if size is None:
+                    size = os.stat(temp).st_size
+                if self.fsync:
+                    with open(temp, "rb") as fh:
+                        os.fsync(fh.fileno())
+                todo.append((digest, temp, size, self.path(digest)))
+            results = []
             with self._txn():
-                row = self._db.execute("SELECT size FROM entries WHERE digest = ?", (digest,)).fetchone()
-                if row is not None and final.exists():
-                    self._db.execute("UPDATE entries SET atime = ? WHERE digest = ?", (time.time(), digest))
-                    return True
-                if row is not None:  # an entry whose file was lost: account it anew
-                    self._db.execute("DELETE FROM entries WHERE digest = ?", (digest,))
-                    self._add_usage(-row[0], -1)
-                if size > self.capacity:
-                    self.counters["rejected"] += 1
-                    return False
-                used, _ = self._usage()
-                if used + size > self.capacity and not self._evict(used + size - self.capacity):
-                    self.counters["rejected"] += 1
-                    return False
-                self._db.execute("INSERT INTO entries VALUES (?, ?, ?)", (digest, size, time.time()))
-                self._add_usage(size, 1)
-                # inside the transaction: no other process can evict the entry before the
-                # file is in place (a crash right here leaves a file that recover() adopts)
-                os.rename(temp, final)
+                for digest, temp, size, final in todo:
+                    results.append(self._commit_one(digest, temp, size, final))
             if self.fsync:
-                _fsync_dir(final.parent)
-            return True
+                for final in {final.parent for _, _, _, final in todo}:
+                    _fsync_dir(final)
+            return results
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
+            for temp in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+
+    def _commit_one(self, digest: str, temp: Path, size: int, final: Path) -> bool:
+        """One entry of commit_many, inside its transaction."""
+        row = self._db.execute("SELECT size FROM entries WHERE digest = ?", (digest,)).fetchone()
+        if row is not None and final.exists():
+            self._db.execute("UPDATE entries SET atime = ? WHERE digest = ?", (time.time(), digest))
+            return True
+        if row is not None:  # an entry whose file was lost: account it anew
+            self._db.execute("DELETE FROM entries WHERE digest = ?", (digest,))
+            self._add_usage(-row[0], -1)
+        if size > self.capacity:
+            self.counters["rejected"] += 1
+            return False
+        used, _ = self._usage()
+        if used + size > self.capacity and not self._evict(used + size - self.capacity):
+            self.counters["rejected"] += 1
+            return False
+        self._db.execute("INSERT INTO entries VALUES (?, ?, ?)", (digest, size, time.time()))
+        self._add_usage(size, 1)
+        # inside the transaction: no other process can evict the entry before the file
+        # is in place (a crash right here leaves a file that recover() adopts)
+        os.rename(temp, final)
+        return True
 
     def exists(self, digest: str) -> bool:
         return self.path(digest).exists()

@@ -27,10 +27,12 @@ that guarantees); a node runs one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Self
 
 from cache.content import ContentDir
@@ -101,17 +103,38 @@ class ChunkStore:
         return data
 
     def put(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
-        check_digest(digest)
-        got = "sha256:" + hashlib.sha256(data).hexdigest()
-        if got != digest:
-            raise DigestMismatch(f"chunk {digest}: bytes hash to {got}; not stored")
-        if self._dir.exists(digest):
-            self._dir.touch(digest)
-            return True
-        stored = self._dir.commit(digest, self._dir.write_temp(data), len(data))
-        if stored:
-            self._count(bytes_written=len(data))
-        return stored
+        return self.put_many([(digest, data)])[0]
+
+    def put_many(self, items: list[tuple[str, bytes | bytearray | memoryview]], *, verified: bool = False) -> list[bool]:
+        """put() for several chunks, committed in one transaction. `verified`: the caller
+        has just checked each chunk against its digest (the node's loader does, before it
+        serves a byte), so it is not hashed again here."""
+        results: dict[int, bool] = {}
+        todo: list[tuple[int, str, int, Path]] = []
+        try:
+            for i, (digest, data) in enumerate(items):
+                check_digest(digest)
+                if not verified:
+                    got = "sha256:" + hashlib.sha256(data).hexdigest()
+                    if got != digest:
+                        raise DigestMismatch(f"chunk {digest}: bytes hash to {got}; not stored")
+                if self._dir.exists(digest):
+                    self._dir.touch(digest)
+                    results[i] = True
+                else:
+                    todo.append((i, digest, len(data), self._dir.write_temp(data)))
+        except BaseException:
+            for *_, temp in todo:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+            raise
+        if todo:
+            stored = self._dir.commit_many([(digest, temp, size) for _, digest, size, temp in todo])
+            for (i, _, size, _), ok in zip(todo, stored):
+                results[i] = ok
+                if ok:
+                    self._count(bytes_written=size)
+        return [results[i] for i in range(len(items))]
 
     def contains(self, digest: str) -> bool:
         """A file for `digest` is there (unverified: get() may still find it corrupt)."""

@@ -1,15 +1,18 @@
-"""Assembly of a node's data path from its configuration: chunk store, fetch chain
-(swarm, region, origin: whichever are configured, in that order), single flight."""
+"""Assembly of a node's data path from its configuration: chunks in memory, chunk store,
+fetch chain (swarm, region, origin: whichever are configured, in that order), single
+flight."""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from builder.zstdchunked import ChunkMemory
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
-from snapshotter.fetch import MemoryChunkCache, NodeChunkLoader, SingleFlight, WriteBehind
+from snapshotter.fetch import NodeChunkLoader, SingleFlight, WriteBehind
 
 log = logging.getLogger("shoal.node")
 
@@ -34,26 +37,40 @@ def make_store(root: str, config: dict):
         from cache.store import ChunkStore
     except ImportError:
         log.warning("no chunk store available; chunks are cached in memory only")
-        return MemoryChunkCache()
+        return None
     capacity = config.get("store_capacity")
     return ChunkStore(os.path.join(root, "chunks"), capacity=capacity) if capacity else ChunkStore(
         os.path.join(root, "chunks"))
 
 
-def make_loader_factory(root: str, config: dict) -> tuple[Callable[[BlobRef, str], NodeChunkLoader], Callable[[], dict]]:
+@dataclass
+class DataPath:
+    """A node's data path: loaders for layer blobs, its figures, and a clean stop."""
+
+    loader: Callable[[BlobRef, str], NodeChunkLoader]  # (blob, layer name) -> loader
+    statistics: Callable[[], dict]
+    close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
+
+
+def make_data_path(root: str, config: dict) -> DataPath:
     chain = make_chain(config)
+    memory = ChunkMemory(int(config.get("memory_cache", 512 << 20)))
     store = make_store(root, config)
-    if not isinstance(store, MemoryChunkCache):
-        store = WriteBehind(store)
+    writer = WriteBehind(store) if store is not None else None
     flight = SingleFlight()
 
-    def factory(blob: BlobRef, name: str) -> NodeChunkLoader:
-        return NodeChunkLoader(blob, chain, store, flight, name)
+    def loader(blob: BlobRef, name: str) -> NodeChunkLoader:
+        return NodeChunkLoader(blob, chain, writer or ChunkMemory(0), flight, name, memory=memory)
 
-    def stats() -> dict:
-        out = {"sources": chain.statistics(), "single_flight_waits": flight.waits}
-        if hasattr(store, "statistics"):
-            out["store"] = store.statistics()
+    def statistics() -> dict:
+        out = {"sources": chain.statistics(), "single_flight_waits": flight.waits, "memory": memory.statistics()}
+        if writer is not None:
+            out["store"] = writer.statistics()
         return out
 
-    return factory, stats
+    def close(timeout: float = 10.0) -> None:
+        if writer is not None and not writer.wait_idle(timeout):
+            log.warning("stopping with chunks not yet in the chunk store (they will be fetched again)")
+        chain.close()
+
+    return DataPath(loader, statistics, close)

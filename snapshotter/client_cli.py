@@ -127,7 +127,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from snapshotter.pull import DEFAULT_ADDRESS
+    from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 
     p = sub.add_parser(
         "pull", help="pull an image into containerd with lazy layers",

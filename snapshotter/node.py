@@ -186,6 +186,8 @@ class Node:
             self._lock_root()
             self.snapshotter = LocalSnapshotter(self.root, remote=self.remote)
             self.snapshotter.recover()
+            if self.remote is not None and hasattr(self.remote, "start"):
+                self.remote.start()
             self._server = SnapshotsServer(self.snapshotter, self.socket, self.config.snapshotter.grpc_threads)
             self._server.start()
             address = self.config.metrics.host_port()
@@ -209,7 +211,8 @@ class Node:
 
     def stop(self) -> None:
         """Stop serving (running calls get the grace period), close the metadata, unlock.
-        Idempotent. Remote layers stay mounted: running containers use them."""
+        Idempotent. Remote layers stay mounted: running containers use them (the layer
+        file system server stops with the node only when it serves no layer)."""
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()
@@ -220,6 +223,8 @@ class Node:
         if self.snapshotter is not None:
             self.snapshotter.close()
             self.snapshotter = None
+        if self.remote is not None and hasattr(self.remote, "stop_if_idle"):
+            self.remote.stop_if_idle()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

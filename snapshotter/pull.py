@@ -25,16 +25,19 @@ from dataclasses import dataclass
 from builder.oci.base import Manifest
 from builder.oci.refs import DockerRef, parse_reference
 from builder.oci.registry import RegistrySource
-from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
+from builder.zstdchunked import (
+    MANIFEST_CHECKSUM,
+    MANIFEST_POSITION,
+    location_from_annotations,
+)
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
 from shoal.digest import check_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
+from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
 
 log = logging.getLogger("shoal.pull")
-
-DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
 
 
 def chain_ids(diff_ids: list[str]) -> list[str]:

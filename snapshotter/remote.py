@@ -33,7 +33,6 @@ from builder.zstdchunked import (
     OLD_MANIFEST_POSITION,
     decompress_toc,
     location_from_annotations,
-    parse_toc,
 )
 from cache.origin import is_loopback_host
 from cache.source import BlobRef
@@ -126,6 +125,24 @@ class RemoteLayers:
         elif path.startswith(self.unpacked_dir + os.sep):
             shutil.rmtree(path, ignore_errors=True)
 
+    def start(self) -> None:
+        """At node start: have the layer file system server running, so that the first
+        lazy layer does not wait for it to start. A server that cannot start is logged
+        here and reported by every lazy prepare."""
+        try:
+            self.fs.ensure_running()
+        except ShoalError as e:
+            log.error("%s", e)
+
+    def stop_if_idle(self) -> None:
+        """At node stop: a layer file system server that serves no layer has nothing a
+        container could use; stop it (one that serves layers keeps running)."""
+        try:
+            if self.fs.running() and not self.fs.status().get("layers"):
+                self.fs.stop()
+        except (OSError, ShoalError) as e:
+            log.warning("layer file system server: %s", e)
+
     def restore(self, path: str, labels: dict[str, str] | None = None) -> None:
         """At start: make sure a lazy layer recorded in metadata is served again."""
         if path.startswith(self.fs.mnt + os.sep):
@@ -165,6 +182,7 @@ class RemoteLayers:
     def _lazy(self, blob: BlobRef, desc: dict, image: str) -> str:
         layer_id = hex_of(blob.digest)
         d = os.path.join(self.root, "layers", layer_id)
+        fresh = False
         if not os.path.exists(os.path.join(d, "toc.json")):
             loc = location_from_annotations(desc.get("annotations"))
             assert loc is not None
@@ -175,7 +193,6 @@ class RemoteLayers:
                 source.close()
             try:
                 toc_json = decompress_toc(compressed, loc.toc_digest, loc.toc.uncompressed)
-                parse_toc(toc_json, blob.size)  # refuse a bad TOC before anything is mounted
             except ShoalError as e:
                 raise type(e)(f"{image}: layer {blob.digest}: {e}") from None
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(self.root, "layers"))
@@ -187,10 +204,18 @@ class RemoteLayers:
                 json.dump(meta, f)
             try:
                 os.rename(tmp, d)
+                fresh = True
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)  # another prepare got there first
         self.fs.ensure_running()
-        return self.fs.load(layer_id)
+        try:
+            # The file system server parses the TOC (the digest is checked above) and
+            # refuses a bad one: nothing is mounted, and the layer's folder goes.
+            return self.fs.load(layer_id)
+        except ShoalError as e:
+            if fresh:
+                shutil.rmtree(d, ignore_errors=True)
+            raise ShoalError(f"{image}: layer {blob.digest}: {e}") from None
 
     # --- unpacked layers ---------------------------------------------------------------------------
 

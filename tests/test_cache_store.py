@@ -515,3 +515,25 @@ def test_writer_processes_share_the_capacity(tmp_path):
     finally:
         _kill(procs)
     _assert_consistent(root, capacity)
+
+
+# --- batches -----------------------------------------------------------------------------------
+
+
+def test_put_many_stores_a_batch_and_refuses_bad_bytes_whole(tmp_path):
+    store = ChunkStore(tmp_path / "chunks", capacity=1 << 20)
+    items = [blob(i) for i in range(10)]
+    assert store.put_many(items) == [True] * 10
+    assert all(store.get(d) == data for d, data in items)
+    again = [blob(i) for i in range(5, 15)]
+    assert store.put_many(again, verified=True) == [True] * 10  # present ones are only touched
+    assert store.statistics()["chunks"] == 15
+    bad = [blob(20), (blob(21)[0], b"not these bytes")]
+    with pytest.raises(DigestMismatch):
+        store.put_many(bad)
+    assert not store.contains(bad[0][0])
+    assert os.listdir(tmp_path / "chunks" / "tmp") == []  # no temp file left behind
+    # over capacity: the batch is stored as far as room can be made (LRU eviction)
+    big = [blob(100 + i, 300 << 10) for i in range(5)]
+    results = store.put_many(big, verified=True)
+    assert all(results) and store.statistics()["size_bytes"] <= 1 << 20

@@ -348,3 +348,32 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
             n.fs.stop()
         stop_process(region)
         region.stdout.close()
+
+
+def test_malformed_toc_with_a_valid_digest_refuses_the_layer(image, node, tmp_path):
+    """A TOC whose digest matches its annotation but whose entries are hostile (a path
+    that escapes the root) is refused when the layer is prepared: nothing is mounted and
+    the layer leaves nothing behind on the node."""
+    import zstandard
+
+    from builder.zstdchunked import MANIFEST_TYPE_CRFS, skippable_frame
+    from shoal.errors import ShoalError
+    from tests.test_region import push_blob
+
+    registry, ref, _, _ = image
+    toc = json.dumps({"version": 1, "entries": [
+        {"type": "reg", "name": "../../etc/evil", "size": 1, "offset": 0, "endOffset": 1,
+         "digest": "sha256:" + "a" * 64}]}).encode()
+    compressed = zstandard.ZstdCompressor().compress(toc)
+    blob = skippable_frame(compressed)
+    repo = ref.split("/", 1)[1].split(":")[0]
+    digest = push_blob(registry, repo, blob, tmp_path)
+    layer = {"digest": digest, "size": len(blob), "mediaType": "application/vnd.oci.image.layer.v1.tar+zstd",
+             "annotations": {MANIFEST_POSITION: f"8:{len(compressed)}:{len(toc)}:{MANIFEST_TYPE_CRFS}",
+                             MANIFEST_CHECKSUM: "sha256:" + hashlib.sha256(compressed).hexdigest()}}
+    layers, _ = node
+    with pytest.raises(ShoalError, match="escapes the layer root") as err:
+        layers.prepare("t", "", layer_labels(ref, layer))
+    assert digest in str(err.value)
+    assert os.listdir(os.path.join(layers.root, "layers")) == []
+    assert not os.listdir(layers.fs.mnt)

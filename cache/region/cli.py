@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 
@@ -54,6 +53,8 @@ def cmd_region(args: argparse.Namespace) -> int:
                          "(pip install 'shoal[node]')") from None
     except OSError as exc:
         raise ShoalError(f"store {config.store}: {exc.strerror or exc}") from None
+    import asyncio
+
     return asyncio.run(_serve(config, backend, host, port))
 
 
@@ -64,6 +65,8 @@ async def _serve(config, backend, host: str, port: int) -> int:
         server = await start_server(config, backend, host, port)
     except OSError as exc:
         raise ShoalError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    import asyncio
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

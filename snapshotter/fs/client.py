@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from shoal import localrpc
@@ -28,6 +29,7 @@ class FSClient:
         self.sock_path = os.path.join(self.root, "fs.sock")
         self.mnt = os.path.join(self.root, "mnt")
         self.pid: int | None = None
+        self._start_lock = threading.Lock()
 
     def call(self, op: str, timeout: float = 60.0, **args) -> dict:
         return localrpc.call(self.sock_path, {"op": op, **args}, timeout, "layer file system")
@@ -40,6 +42,10 @@ class FSClient:
             return False
 
     def ensure_running(self, timeout: float = 30.0) -> None:
+        with self._start_lock:  # two prepares at once start one server
+            self._ensure_running(timeout)
+
+    def _ensure_running(self, timeout: float) -> None:
         if self.running():
             return
         os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
@@ -54,7 +60,8 @@ class FSClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                tail = open(log_path, errors="replace").read()[-1500:]
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-1500:]
                 raise ShoalError(f"layer file system server exited with {proc.returncode}: {tail.strip()}")
             if self.running():
                 log.info("layer file system server running (pid %d) at %s", self.pid, self.mnt)

@@ -74,6 +74,7 @@ class LayerFS(pyfuse3.Operations):
         self.by_number: dict[int, Layer] = {}
         self._next_number = 1
         self.started = time.time()
+        self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
             setattr(self, name, self._timed(name, getattr(self, name)))
@@ -109,7 +110,7 @@ class LayerFS(pyfuse3.Operations):
         loader = self.make_loader(blob, name)
         if hasattr(loader, "set_layout"):
             loader.set_layout([c for e in toc.files() for c in e.chunks])
-        view = LayerView(LayerReader(toc, loader=loader, layer=name))
+        view = LayerView(LayerReader(toc, loader=loader, layer=name, memory=getattr(loader, "memory", None)))
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
         layer = Layer(self._next_number, layer_id, blob, meta.get("image", ""), view, loader, time.time())
@@ -204,6 +205,9 @@ class LayerFS(pyfuse3.Operations):
         return self._attrs(*self._resolve(inode))
 
     async def lookup(self, parent_inode, name, ctx=None):
+        if self.readahead_kb:
+            kb, self.readahead_kb = self.readahead_kb, 0
+            set_readahead(os.path.join(self.root, "mnt"), kb)
         text = os.fsdecode(name)
         if parent_inode == pyfuse3.ROOT_INODE:
             layer = self.layers.get(text)
@@ -360,8 +364,8 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
 
 
 def fs_store_stats(fs: LayerFS) -> dict:
-    stats = getattr(fs, "store_stats", None)
-    return stats() if stats else {}
+    path = getattr(fs, "data_path", None)
+    return path.statistics() if path else {}
 
 
 async def serve_control(fs: LayerFS, path: str) -> None:
@@ -378,13 +382,39 @@ async def serve_control(fs: LayerFS, path: str) -> None:
 # --- process ------------------------------------------------------------------------------
 
 
+READAHEAD_KB = 4096
+
+
+def set_readahead(mnt: str, kb: int) -> None:
+    """Let the kernel read ahead `kb` KiB on the layers' files (the FUSE default is 128).
+
+    A mapped library faults its pages in one by one, and each fault that misses is a
+    read that waits for the network. With a wider window the kernel asks for the pages
+    around the fault in several reads at once, which this server answers in parallel;
+    the faulting page comes back first. The window is the mount's backing device's
+    read_ahead_kb in sysfs (found through mountinfo: a stat of the mount would ask this
+    very process). The kernel sets it when the mount's INIT is answered, so this runs
+    at the first request after that (LayerFS.lookup)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4 and parts[4] == mnt:
+                    dev = parts[2]
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+        log.info("read-ahead %d KiB on %s (bdi %s)", kb, mnt, dev)
+    except (OSError, UnboundLocalError, NameError) as e:
+        log.warning("cannot set read-ahead on %s: %s", mnt, e)
+
+
 def build_fs(root: str, config: dict) -> LayerFS:
     """The file system with the node's fetch chain and chunk store (from config)."""
-    from snapshotter.assemble import make_loader_factory
+    from snapshotter.assemble import make_data_path
 
-    factory, store_stats = make_loader_factory(root, config)
-    fs = LayerFS(root, factory)
-    fs.store_stats = store_stats  # type: ignore[attr-defined]
+    path = make_data_path(root, config)
+    fs = LayerFS(root, path.loader)
+    fs.data_path = path  # type: ignore[attr-defined]
     return fs
 
 
@@ -412,6 +442,7 @@ def run(root: str, config: dict) -> int:
     options.discard("default_permissions")
     options.add("default_permissions")
     pyfuse3.init(fs, mnt, options)
+    fs.readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
     stop = {"flag": False}
 
     def _term(*_):
@@ -426,6 +457,9 @@ def run(root: str, config: dict) -> int:
     finally:
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", mnt)
+        path = getattr(fs, "data_path", None)
+        if path is not None:
+            path.close(10.0)
     return 0
 
 
