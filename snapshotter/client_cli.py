@@ -90,11 +90,18 @@ def format_status(s: dict) -> str:
         lines.append(
             f"    {ly['digest']}  {ly['image']}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
             f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B)  errors {ly['errors']}"
+            f"  waited {ly.get('fetch_seconds', 0):.2f}s on sources, {ly.get('decode_seconds', 0):.2f}s decoding"
         )
     lines.append(f"  unpacked layers: {len(s['unpacked_layers'])}")
     for d in s["unpacked_layers"]:
         lines.append(f"    {d}")
     dp = s.get("data_path") or {}
+    memory = dp.get("memory")
+    if memory:
+        lines.append(
+            f"  chunk memory: {memory['memory_chunks']} chunks, {memory['memory_bytes']:,} of"
+            f" {memory['memory_capacity']:,} B; hits {memory['memory_hits']}, misses {memory['memory_misses']}"
+        )
     store = dp.get("store")
     if store:
         lines.append(

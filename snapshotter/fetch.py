@@ -197,6 +197,8 @@ class NodeChunkLoader:
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # compressed bytes that came over the network
         self.readahead_chunks = 0
+        self.fetch_seconds = 0.0  # waiting for the sources
+        self.decode_seconds = 0.0  # decompressing and verifying what they sent
         self._order: list[Chunk] = []  # every chunk of the layer by blob offset
         self._position: dict[int, int] = {}
 
@@ -288,6 +290,7 @@ class NodeChunkLoader:
 
     def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str) -> None:
         ranges = [(c.start, c.end) for _, c in mine]
+        t0 = time.perf_counter()
         try:
             raws = self.chain.read_ranges(self.blob, ranges)
         except ShoalError as e:
@@ -296,6 +299,8 @@ class NodeChunkLoader:
                 self.flight.resolve(c.digest or f"{self.blob.digest}@{c.start}", error=err)
             log.error("%s", err)
             raise err from None
+        t1 = time.perf_counter()
+        self.fetch_seconds += t1 - t0
         first_error: ShoalError | None = None
         for (i, c), raw in zip(mine, raws):
             key = c.digest or f"{self.blob.digest}@{c.start}"
@@ -321,6 +326,7 @@ class NodeChunkLoader:
             else:
                 self.readahead_chunks += 1
             self.flight.resolve(key, data=data)
+        self.decode_seconds += time.perf_counter() - t1
         if first_error is not None:
             raise first_error
 

@@ -86,6 +86,11 @@ def test_lazy_image_starts_through_containerd_and_fetches_only_what_it_reads(reg
     status = shoal_json("status", "--root", str(node.root))
     assert len(status["lazy_layers"]) == 3 and status["unpacked_layers"] == []
     assert sum(ly["fetched_bytes"] for ly in status["lazy_layers"]) > 0
+    # decompressed chunks are kept in the node's chunk memory, within its bound
+    memory = status["data_path"]["memory"]
+    assert memory["memory_chunks"] > 0 and memory["memory_bytes"] <= memory["memory_capacity"]
+    text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True, check=True)
+    assert "lazy layers: 3" in text.stdout and "chunk memory:" in text.stdout and "on sources" in text.stdout
 
 
 def test_unconverted_layers_are_unpacked_by_the_node(registry, images, node_and_containerd):

@@ -143,6 +143,8 @@ class LayerFS(pyfuse3.Operations):
                 "fetched_chunks": getattr(loader, "fetched_chunks", 0),
                 "fetched_bytes": getattr(loader, "fetched_bytes", 0),
                 "readahead_chunks": getattr(loader, "readahead_chunks", 0),
+                "fetch_seconds": round(getattr(loader, "fetch_seconds", 0.0), 3),
+                "decode_seconds": round(getattr(loader, "decode_seconds", 0.0), 3),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
         return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops}
