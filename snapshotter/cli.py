@@ -4,9 +4,9 @@ module level, so `shoal` works without the node's dependencies installed."""
 from __future__ import annotations
 
 import argparse
-import os
 import importlib.util
 import logging
+import os
 import signal
 import threading
 
