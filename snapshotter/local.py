@@ -134,8 +134,9 @@ class LocalSnapshotter:
     # --- start-up
 
     def recover(self) -> None:
-        """After a (re)start: delete orphaned directories, then have RemoteLayers
-        re-establish every remote layer recorded in the metadata."""
+        """After a (re)start: delete orphaned directories, have RemoteLayers drop the
+        layers no snapshot uses, then re-establish every remote layer recorded in the
+        metadata."""
         self.cleanup()
         with self._db.read() as tx:
             remote = [rec for rec in tx.all() if rec.remote]
@@ -143,6 +144,11 @@ class LocalSnapshotter:
             log.warning("%d remote layers in the metadata but no remote layer provider: mounts using them will fail",
                         len(remote))
             return
+        if hasattr(self._remote, "sweep"):
+            try:
+                self._remote.sweep({rec.layer_path for rec in remote})
+            except Exception as e:  # noqa: BLE001 (leftovers cost disk, not correctness)
+                log.error("cannot sweep remote layers no snapshot uses: %s", e)
         for rec in remote:
             try:
                 self._remote.restore(rec.layer_path, dict(rec.labels))

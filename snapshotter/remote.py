@@ -143,6 +143,33 @@ class RemoteLayers:
         except (OSError, ShoalError) as e:
             log.warning("layer file system server: %s", e)
 
+    def sweep(self, keep: set[str]) -> list[str]:
+        """At node start, before restoring: remove the layers no snapshot uses any more
+        (a crash between a snapshot's removal and its layer's release leaves them) and
+        half-made ones (a crash during a prepare). `keep`: the layer paths recorded in
+        the snapshot metadata. Returns what was removed (also logged)."""
+        removed = []
+        layers = os.path.join(self.root, "layers")
+        loaded: set[str] | None = None
+        for name in sorted(os.listdir(layers)):
+            if os.path.join(self.fs.mnt, name) in keep:
+                continue
+            if not name.startswith("."):
+                if loaded is None:
+                    loaded = {ly["id"] for ly in self.fs.status().get("layers", [])} if self.fs.running() else set()
+                if name in loaded:
+                    self.fs.unload(name)
+            shutil.rmtree(os.path.join(layers, name), ignore_errors=True)
+            removed.append(os.path.join(layers, name))
+        for name in sorted(os.listdir(self.unpacked_dir)):
+            path = os.path.join(self.unpacked_dir, name)
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        for path in removed:
+            log.warning("removed %s: no snapshot uses it (left by a crash)", path)
+        return removed
+
     def restore(self, path: str, labels: dict[str, str] | None = None) -> None:
         """At start: make sure a lazy layer recorded in metadata is served again."""
         if path.startswith(self.fs.mnt + os.sep):

@@ -377,3 +377,23 @@ def test_malformed_toc_with_a_valid_digest_refuses_the_layer(image, node, tmp_pa
     assert digest in str(err.value)
     assert os.listdir(os.path.join(layers.root, "layers")) == []
     assert not os.listdir(layers.fs.mnt)
+
+
+def test_sweep_drops_layers_no_snapshot_uses(image, node):
+    """What a crash can leave (a layer whose snapshot is gone, a half-made layer folder,
+    an unpacked folder nobody records) is removed when the node starts; recorded layers
+    stay mounted and readable."""
+    _, ref, manifest, _ = image
+    layers, _ = node
+    kept = Path(layers.prepare("a", "", layer_labels(ref, manifest["layers"][0])).path)
+    orphan = Path(layers.prepare("b", "", layer_labels(ref, manifest["layers"][1])).path)
+    half = Path(layers.root, "layers", ".tmp-crashed")
+    half.mkdir()
+    stray = Path(layers.unpacked_dir, "0" * 64)
+    stray.mkdir()
+    removed = layers.sweep({str(kept)})
+    assert sorted(removed) == sorted([str(half), str(Path(layers.root, "layers", orphan.name)), str(stray)])
+    assert not half.exists() and not stray.exists() and not Path(layers.root, "layers", orphan.name).exists()
+    assert [ly["id"] for ly in layers.fs.status()["layers"]] == [kept.name]
+    assert not orphan.exists()
+    assert (kept / "bin/busybox").read_bytes()[:4] == b"\x7fELF"

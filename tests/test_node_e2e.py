@@ -120,8 +120,14 @@ def test_containers_keep_running_when_the_node_restarts(registry, images, node_a
     ctd.ctr("run", "-d", "--snapshotter", "shoal", lazy, "e2e-long", "/bin/sh", "-c", "sleep 600")
     try:
         node.stop()
+        # what a crash could leave: the restarted node removes it, and only it
+        half = Path(node.root, "layers", ".tmp-crashed")
+        half.mkdir()
+        stray = Path(node.root, "unpacked", "f" * 64)
+        stray.mkdir()
         node2 = NodeProcess(node.root, node.socket, node.log_path)
         try:
+            assert not half.exists() and not stray.exists()
             # the running container's files are still there (served by the fs server)
             out = ctd.ctr("task", "exec", "--exec-id", "x1", "e2e-long", "/bin/cat", "/etc/motd").stdout
             assert out == EXPECTED
