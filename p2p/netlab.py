@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from shoal.fsutil import mounts
+
 SUBNET = "192.0.2"  # TEST-NET-1: documentation addresses, never routed
 HUB_IP = f"{SUBNET}.1"
 _counter = itertools.count()
@@ -76,31 +78,11 @@ def registry_log(path: Path) -> list[dict]:
     return out
 
 
-def _unescape_mount_path(field: str) -> str:
-    """/proc/self/mounts escapes space, tab, newline and backslash as \\ooo."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts_under(*paths: Path | str) -> list[str]:
     """Mount points at or below any of `paths`, deepest first."""
     prefixes = [os.path.realpath(p) for p in paths]
-    found = []
-    with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as fh:
-        for line in fh:
-            fields = line.split()
-            if len(fields) < 2:
-                continue
-            point = _unescape_mount_path(fields[1])
-            if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
-                found.append(point)
+    found = [point for point, _ in mounts()
+             if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes)]
     return sorted(set(found), key=lambda p: (p.count("/"), len(p)), reverse=True)
 
 

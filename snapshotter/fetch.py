@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -62,7 +63,7 @@ class WriteBehind:
         self._last_put = 0.0
         self._flush = 0  # callers of wait_idle: write without waiting for a pause
         self._cond = threading.Condition()
-        self._queue: list[str] = []
+        self._queue: deque[str] = deque()
         self._thread = threading.Thread(target=self._run, name="shoal-store-writer", daemon=True)
         self._thread.start()
 
@@ -107,7 +108,7 @@ class WriteBehind:
                     self._cond.wait(wait)
                 batch, size = [], 0
                 while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
-                    digest = self._queue.pop(0)
+                    digest = self._queue.popleft()
                     batch.append((digest, self._pending[digest]))
                     size += len(batch[-1][1])
             try:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.fsutil import mounts
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     LABEL_LAYER_KIND,
@@ -102,15 +102,8 @@ def disk_usage(path: str | Path) -> Usage:
 
 
 def _mount_points() -> list[str]:
-    """Every mount point of this mount namespace (/proc/self/mounts escapes as \\ooo)."""
-    points = []
-    with open("/proc/self/mounts", "rb") as fh:
-        for line in fh:
-            fields = line.split()
-            if len(fields) > 1:
-                raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[1])
-                points.append(os.fsdecode(raw))
-    return points
+    """Every mount point of this mount namespace."""
+    return [point for point, _ in mounts()]
 
 
 class LocalSnapshotter:

@@ -397,3 +397,17 @@ def test_sweep_drops_layers_no_snapshot_uses(image, node):
     assert [ly["id"] for ly in layers.fs.status()["layers"]] == [kept.name]
     assert not orphan.exists()
     assert (kept / "bin/busybox").read_bytes()[:4] == b"\x7fELF"
+
+
+def test_kernel_read_ahead_is_raised_on_the_mount(image, node):
+    """The layer file system widens the kernel's read-ahead on its mount (FUSE's default
+    is 128 KiB) once the mount is up: a page fault in a mapped library then asks for the
+    pages around it in parallel."""
+    _, ref, manifest, _ = image
+    layers, _ = node
+    path = Path(layers.prepare("t", "", layer_labels(ref, manifest["layers"][0])).path)
+    assert (path / "bin/busybox").read_bytes()[:4] == b"\x7fELF"
+    from shoal.fsutil import mounts
+
+    dev = next(dev for point, dev in mounts() if point == layers.fs.mnt)
+    assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "1024"

@@ -35,6 +35,7 @@ import trio
 from builder.zstdchunked import LayerReader, parse_toc
 from cache.source import BlobRef
 from shoal.errors import ShoalError
+from shoal.fsutil import mounts
 from snapshotter.fs.view import LayerView, Node
 
 log = logging.getLogger("shoal.fs")
@@ -384,7 +385,7 @@ async def serve_control(fs: LayerFS, path: str) -> None:
 # --- process ------------------------------------------------------------------------------
 
 
-READAHEAD_KB = 4096
+READAHEAD_KB = 1024  # the node passes [fetch] readahead_kb; this is for a server started alone
 
 
 def set_readahead(mnt: str, kb: int) -> None:
@@ -398,15 +399,14 @@ def set_readahead(mnt: str, kb: int) -> None:
     very process). The kernel sets it when the mount's INIT is answered, so this runs
     at the first request after that (LayerFS.lookup)."""
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 4 and parts[4] == mnt:
-                    dev = parts[2]
+        dev = next((dev for point, dev in mounts() if point == mnt), None)  # the bdi's name
+        if dev is None:
+            log.warning("cannot set read-ahead on %s: not in /proc/self/mountinfo", mnt)
+            return
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kb))
         log.info("read-ahead %d KiB on %s (bdi %s)", kb, mnt, dev)
-    except (OSError, UnboundLocalError, NameError) as e:
+    except OSError as e:
         log.warning("cannot set read-ahead on %s: %s", mnt, e)
 
 
