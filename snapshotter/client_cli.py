@@ -107,7 +107,7 @@ def format_status(s: dict) -> str:
         lines.append(
             f"  chunk store: {store.get('chunks', 0)} chunks, {store.get('size_bytes', 0):,} of"
             f" {store.get('capacity_bytes', 0):,} B; hits {store.get('hits', 0)}, misses {store.get('misses', 0)},"
-            f" evictions {store.get('evictions', 0)}"
+            f" evictions {store.get('evictions', 0)}; {store.get('pending_writes', 0)} chunks waiting to be written"
         )
     for name, st in (dp.get("sources") or {}).items():
         lines.append(f"  source {name}: {st.get('requests', 0)} requests, {st.get('bytes', 0):,} B,"
