@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from builder.convert import _Decompressing
 from builder.oci.refs import DockerRef
@@ -87,6 +88,9 @@ class RemoteLayers:
         os.makedirs(os.path.join(self.root, "layers"), exist_ok=True)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        self._warmed: set[str] = set()  # manifests whose layers were warmed
+        self._warm_pool = ThreadPoolExecutor(4, thread_name_prefix="shoal-warm")
+        self.warmed_layers = 0
 
     # --- the seam -------------------------------------------------------------------------
 
@@ -102,6 +106,7 @@ class RemoteLayers:
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)
         desc = self._descriptor(blob, labels)
+        self._warm_image(blob, labels.get(LABEL_CRI_MANIFEST_DIGEST), image)
         with self._lock_for(digest):
             if location_from_annotations(desc.get("annotations")) is not None:
                 path = self._lazy(blob, desc, image)
@@ -111,6 +116,53 @@ class RemoteLayers:
                 kind = "unpacked"
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
         return RemoteLayer(path, kind, {LABEL_KIND: kind, LABEL_LAYER_DIGEST: digest})
+
+    # --- warm-up of an image's other layers ---------------------------------------------------
+
+    def _warm_image(self, blob: BlobRef, manifest_digest: str | None, image: str) -> None:
+        """At the first prepare of an image's layer: fetch and load the TOCs of the
+        image's other lazy layers in the background. containerd prepares layers one after
+        the other, each waiting for the one below; this way their TOCs come in parallel
+        and each prepare finds its layer ready. A layer warmed whose prepare never comes
+        is removed at the next start (sweep)."""
+        if not manifest_digest:
+            return
+        with self._locks_lock:
+            if manifest_digest in self._warmed:
+                return
+            self._warmed.add(manifest_digest)
+        self._warm_pool.submit(self._warm_layers, blob, manifest_digest, image)
+
+    def _warm_layers(self, blob: BlobRef, manifest_digest: str, image: str) -> None:
+        try:
+            layers = self._manifest_layers(blob, manifest_digest)
+        except (ShoalError, OSError, ValueError) as e:
+            log.info("%s: no warm-up of the image's layers: %s", image, e)
+            return
+        for desc in layers:
+            if not isinstance(desc, dict) or desc.get("digest") == blob.digest:
+                continue
+            try:
+                if location_from_annotations(desc.get("annotations")) is None:
+                    continue  # a layer to unpack: downloaded when it is prepared
+                other = BlobRef(blob.registry, blob.repository, check_digest(desc.get("digest")),
+                                desc.get("size") if isinstance(desc.get("size"), int) else None, blob.plain_http)
+            except ShoalError:
+                continue  # its prepare reports it
+            self._warm_pool.submit(self._warm_layer, other, desc, image)
+
+    def _warm_layer(self, blob: BlobRef, desc: dict, image: str) -> None:
+        lock = self._lock_for(blob.digest)
+        if not lock.acquire(blocking=False):
+            return  # its prepare is at it
+        try:
+            self._lazy(blob, desc, image)
+            with self._locks_lock:
+                self.warmed_layers += 1
+        except (ShoalError, OSError) as e:
+            log.info("%s: warm-up of layer %s: %s (its prepare will try again)", image, blob.digest, e)
+        finally:
+            lock.release()
 
     def release(self, layer: RemoteLayer) -> None:
         """The last snapshot using the layer was removed: stop serving it, drop its files."""
@@ -182,6 +234,17 @@ class RemoteLayers:
 
     # --- the layer descriptor ----------------------------------------------------------------
 
+    @staticmethod
+    def _manifest_layers(blob: BlobRef, manifest_digest: str) -> list:
+        """The layer descriptors of the manifest (fetched by digest, so verified)."""
+        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
+        try:
+            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
+        finally:
+            source.close()
+        layers = doc.get("layers") if isinstance(doc, dict) else None
+        return layers if isinstance(layers, list) else []
+
     def _descriptor(self, blob: BlobRef, labels: dict[str, str]) -> dict:
         """The layer's descriptor: from shoal pull's labels, or the verified manifest."""
         if LABEL_TOC_POSITION in labels and LABEL_TOC_DIGEST in labels:
@@ -193,12 +256,7 @@ class RemoteLayers:
                     "mediaType": labels.get(LABEL_LAYER_MEDIA_TYPE, mt.OCI_LAYER_ZSTD)}
         manifest_digest = labels.get(LABEL_CRI_MANIFEST_DIGEST)
         if manifest_digest and labels.get(LABEL_LAYER_MEDIA_TYPE) is None:
-            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
-            try:
-                doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
-            finally:
-                source.close()
-            for layer in doc.get("layers") or []:
+            for layer in self._manifest_layers(blob, manifest_digest):
                 if isinstance(layer, dict) and layer.get("digest") == blob.digest:
                     return layer
             raise FormatError(f"{blob}: manifest {manifest_digest} does not list this layer")

@@ -411,3 +411,30 @@ def test_kernel_read_ahead_is_raised_on_the_mount(image, node):
 
     dev = next(dev for point, dev in mounts() if point == layers.fs.mnt)
     assert Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip() == "1024"
+
+
+def test_first_prepare_warms_the_image_s_other_layers(image, node):
+    """The first prepare of an image's layer loads the TOCs of its other lazy layers in
+    the background (containerd prepares them one after the other); their own prepares
+    then fetch nothing more, and serve the same files."""
+    import time
+
+    registry, ref, manifest, _ = image
+    layers, _ = node
+    with open_source(f"docker://{ref}", plain_http=True) as src:
+        manifest_digest = "sha256:" + hashlib.sha256(src.get_root().data).hexdigest()
+    labels = [{**layer_labels(ref, ly), remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
+              for ly in manifest["layers"]]
+    layers.prepare("l0", "", labels[0])
+    others = {ly["digest"][7:] for ly in manifest["layers"][1:]}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        loaded = {ly["id"] for ly in layers.fs.status()["layers"]}
+        if others <= loaded and layers.warmed_layers == len(others):
+            break
+        time.sleep(0.1)
+    assert others <= loaded and layers.warmed_layers == len(others)
+    before = [registry.count("GET", ly["digest"]) for ly in manifest["layers"][1:]]
+    paths = [Path(layers.prepare(f"l{i}", "", labels[i]).path) for i in range(1, len(labels))]
+    assert [registry.count("GET", ly["digest"]) for ly in manifest["layers"][1:]] == before
+    assert (paths[0] / "usr/bin/python3.11").stat().st_size > 0

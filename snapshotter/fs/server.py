@@ -98,6 +98,12 @@ class LayerFS(pyfuse3.Operations):
     def load(self, layer_id: str) -> Layer:
         if layer_id in self.layers:
             return self.layers[layer_id]
+        return self.register(layer_id, *self.read_layer(layer_id))
+
+    def read_layer(self, layer_id: str) -> tuple[BlobRef, str, LayerView, object]:
+        """Everything of a layer but its registration: the TOC parsed and checked, the
+        reader and the view (no state of the file system is touched, so this can run on
+        a worker thread while the event loop goes on serving reads)."""
         if not layer_id.isalnum() or len(layer_id) != 64:
             raise ShoalError(f"bad layer id {layer_id[:80]!r}")
         d = layer_dir(self.root, layer_id)
@@ -114,11 +120,18 @@ class LayerFS(pyfuse3.Operations):
         view = LayerView(LayerReader(toc, loader=loader, layer=name, memory=getattr(loader, "memory", None)))
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
-        layer = Layer(self._next_number, layer_id, blob, meta.get("image", ""), view, loader, time.time())
+        return blob, meta.get("image", ""), view, loader
+
+    def register(self, layer_id: str, blob: BlobRef, image: str, view: LayerView, loader: object) -> Layer:
+        """Serve a layer read by read_layer (on the event loop; a layer loaded meanwhile
+        by another request wins)."""
+        if layer_id in self.layers:
+            return self.layers[layer_id]
+        layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time())
         self._next_number += 1
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
-        log.info("loaded %s (%d entries)", name, len(toc.entries))
+        log.info("loaded layer %s of %s (%d entries)", blob.digest, image or "?", len(view.reader.entries))
         return layer
 
     def unload(self, layer_id: str) -> bool:
@@ -354,7 +367,10 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
         if op == "load":
-            layer = fs.load(str(req["id"]))
+            layer_id = str(req["id"])
+            layer = fs.layers.get(layer_id)
+            if layer is None:  # parsing a large TOC takes a while: not on the event loop
+                layer = fs.register(layer_id, *await trio.to_thread.run_sync(fs.read_layer, layer_id))
             return {"ok": True, "number": layer.number}
         if op == "unload":
             return {"ok": True, "unloaded": fs.unload(str(req["id"]))}
