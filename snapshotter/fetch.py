@@ -112,12 +112,7 @@ class WriteBehind:
                     batch.append((digest, self._pending[digest]))
                     size += len(batch[-1][1])
             try:
-                put_many = getattr(self.store, "put_many", None)
-                if put_many is not None:
-                    put_many(batch, verified=True)  # the loader verified every chunk it queued
-                else:
-                    for digest, data in batch:
-                        self.store.put(digest, data)
+                self.store.put_many(batch, verified=True)  # the loader verified every chunk it queued
             except Exception as e:  # noqa: BLE001 - a chunk not stored is fetched again later
                 log.warning("cannot store %d chunks (%s...): %s", len(batch), batch[0][0], e)
             with self._cond:

@@ -101,11 +101,6 @@ def disk_usage(path: str | Path) -> Usage:
     return Usage(size=size, inodes=len(seen))
 
 
-def _mount_points() -> list[str]:
-    """Every mount point of this mount namespace."""
-    return [point for point, _ in mounts()]
-
-
 class LocalSnapshotter:
     """containerd's overlay snapshotter in Python, with remote layers plugged in through
     `remote` (see snapshotter.RemoteLayers). Implements snapshotter.Snapshotter."""
@@ -234,7 +229,7 @@ class LocalSnapshotter:
             ]
         if not orphans:
             return
-        mounted = _mount_points()
+        mounted = [point for point, _ in mounts()]
         for path in orphans:
             prefix = str(path) + "/"
             busy = [p for p in mounted if p == str(path) or p.startswith(prefix)]

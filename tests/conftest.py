@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from tests.services import REGISTRY_BIN  # noqa: E402
+
 TOKEN_SERVICE = "shoal-test-registry"
 TOKEN_ISSUER = "shoal-test-issuer"
 pytest_plugins = ["tests.fixtures_services"]
@@ -71,7 +72,6 @@ def docker_config(tmp_path_factory, monkeypatch) -> DockerConfig:
 # --- the registry process ----------------------------------------------------------
 
 from tests.services import STOP_TIMEOUT, RegistryServer, start_registry  # noqa: E402
-
 
 # --- htpasswd ------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ class TokenServer:
         return Handler
 
 
-_REGISTRY_FIXTURES = {"registry", "basic_registry", "token_registry", "registry_factory"}
+_REGISTRY_FIXTURES = {"registry", "basic_registry", "token_registry", "registry_factory", "module_registry"}
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -251,6 +251,16 @@ def registry_factory(tmp_path_factory):
 @pytest.fixture
 def registry(registry_factory) -> RegistryServer:
     return registry_factory()
+
+
+@pytest.fixture(scope="module")
+def module_registry(tmp_path_factory) -> RegistryServer:
+    """One plain registry for a whole test module (its images are built once)."""
+    if not os.access(REGISTRY_BIN, os.X_OK):
+        pytest.skip(f"{REGISTRY_BIN} is not installed (Debian package docker-registry)")
+    server = start_registry(tmp_path_factory.mktemp("registry"), None)
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -46,13 +46,6 @@ def layer_labels(image: str, layer: dict, toc_digest: str | None = None) -> dict
 
 
 @pytest.fixture(scope="module")
-def module_registry(tmp_path_factory):
-    registry = start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield registry
-    registry.stop()
-
-
-@pytest.fixture(scope="module")
 def image(module_registry, tmp_path_factory):
     """A real image (busybox, python3.11 + stdlib, a delta layer with whiteouts) in a registry,
     gzip and converted."""
@@ -78,6 +71,18 @@ def node(tmp_path):
         subprocess.run(["umount", m], check=False)
     layers.fs.stop()
     assert not os.path.ismount(layers.fs.mnt)
+
+
+def prepare_tree(layers: RemoteLayers, host: str, repo: str, root: Path, workdir: Path) -> tuple[Path, dict]:
+    """Build an image of the folder `root` at the registry `host`, convert it, and
+    prepare its layer on the node: (the layer's mount, its descriptor)."""
+    src = f"docker://{host}/{repo}:gzip"
+    build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(workdir))
+    dst = f"docker://{host}/{repo}:chunked"
+    convert(src, dst, plain_http=True)
+    with open_source(dst, plain_http=True) as s:
+        layer = json.loads(s.get_root().data)["layers"][0]
+    return Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path), layer
 
 
 def reference_rootfs(registry, image: str, manifest: dict, target: Path) -> None:
@@ -245,13 +250,7 @@ def test_registry_down_is_eio_after_bounded_retries(tmp_path, node):
         root = tmp_path / "tree"
         (root / "data").mkdir(parents=True)
         (root / "data/big").write_bytes(os.urandom(3 << 20))
-        src = f"docker://{registry.host}/down/img:gzip"
-        build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(tmp_path))
-        dst = f"docker://{registry.host}/down/img:chunked"
-        convert(src, dst, plain_http=True)
-        with open_source(dst, plain_http=True) as s:
-            layer = json.loads(s.get_root().data)["layers"][0]
-        path = Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path)
+        path, layer = prepare_tree(layers, registry.host, "down/img", root, tmp_path)
     finally:
         registry.stop()
     import time
@@ -272,13 +271,7 @@ def test_registry_credentials_come_from_docker_config(basic_registry, docker_con
     root = tmp_path / "tree"
     (root / "etc").mkdir(parents=True)
     (root / "etc/secret").write_text("private content\n")
-    src = f"docker://{basic_registry.host}/private/img:gzip"
-    build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(tmp_path))
-    dst = f"docker://{basic_registry.host}/private/img:chunked"
-    convert(src, dst, plain_http=True)
-    with open_source(dst, plain_http=True) as s:
-        layer = json.loads(s.get_root().data)["layers"][0]
-    path = Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path)
+    path, _ = prepare_tree(layers, basic_registry.host, "private/img", root, tmp_path)
     assert (path / "etc/secret").read_text() == "private content\n"
 
 

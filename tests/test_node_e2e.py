@@ -15,7 +15,11 @@ from builder.oci.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer, delta_layer, python_layer
-from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, start_registry
+from tests.services import (
+    SHOAL,
+    NodeProcess,
+    shoal_node_with_containerd,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.registry, pytest.mark.containerd]
@@ -25,10 +29,8 @@ EXPECTED = "changed by the top layer\n"
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    reg = start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    reg.stop()
+def registry(module_registry):
+    return module_registry
 
 
 @pytest.fixture(scope="module")

@@ -334,14 +334,8 @@ def _shoal() -> str:
 def torch_image_layout(rebuild: bool = False) -> Path:
     """The gzip image (OCI layout, tag "torch"), built once and cached."""
     root = cache_root()
-    dest = root / "gzip"
-    if dest.is_dir() and not rebuild:
-        return dest
-    with _locked(root):
-        if dest.is_dir() and rebuild:
-            _rmtree(dest)
-        if dest.is_dir():
-            return dest
+
+    def build(dest: Path) -> None:
         for old in root.glob(".build-*"):  # left by a build that was killed
             _rmtree(old)
         t = time.monotonic()
@@ -350,6 +344,20 @@ def torch_image_layout(rebuild: bool = False) -> Path:
             f"built {dest} in {time.monotonic() - t:.0f}s: {info['tree_bytes'] / 1e6:,.0f} MB of files, "
             f"{info['compressed_bytes'] / 1e6:,.0f} MB in {len(info['layers'])} gzip layers"
         )
+
+    return _cached(root / "gzip", rebuild, build)
+
+
+def _cached(dest: Path, rebuild: bool, build) -> Path:
+    """`dest` in the cache, made by build(dest) under the cache's lock unless it is there
+    already (or `rebuild` asks for it anew)."""
+    if dest.is_dir() and not rebuild:
+        return dest
+    with _locked(dest.parent):
+        if dest.is_dir() and rebuild:
+            _rmtree(dest)
+        if not dest.is_dir():
+            build(dest)
     return dest
 
 
@@ -358,14 +366,8 @@ def torch_image_converted(rebuild: bool = False) -> Path:
     src = torch_image_layout()
     root = cache_root()
     key = _converter_key()
-    dest = root / f"converted-{key}"
-    if dest.is_dir() and not rebuild:
-        return dest
-    with _locked(root):
-        if dest.is_dir() and rebuild:
-            _rmtree(dest)
-        if dest.is_dir():
-            return dest
+
+    def build(dest: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
         try:
             say(f"shoal convert oci:{src}:{TAG} -> {dest.name}")
@@ -385,7 +387,8 @@ def torch_image_converted(rebuild: bool = False) -> Path:
         older = sorted((p for p in root.glob("converted-*") if p != dest), key=lambda p: p.stat().st_mtime)
         for old in older[:-2]:
             shutil.rmtree(old, ignore_errors=True)
-    return dest
+
+    return _cached(root / f"converted-{key}", rebuild, build)
 
 
 def image_info(layout: Path) -> dict:
