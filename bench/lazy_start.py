@@ -14,6 +14,12 @@ On a cold node each time (a fresh containerd root and state, a fresh shoal --roo
 - shoal: `shoal node --root R --socket S` and containerd with `[proxy_plugins.shoal]`
   already running (daemons a node has anyway; not timed), then `shoal pull REF
   --address CONTAINERD_SOCK --plain-http`, then `ctr run --snapshotter shoal --rm REF ID CMD`.
+  Twice, on two cold nodes: first with `[fetch] prefetch_profiles = false` (no access
+  profile: every chunk is fetched when a read asks for it), after which that node publishes
+  what it read as the image's access profile (`shoal profile save --push`, not timed);
+  then on a default node, which finds the profile when the pull prepares the layers and
+  fetches those chunks ahead of the reads ("shoal+profile": an image whose profile was
+  recorded once, e.g. in CI, as it would be before a fleet starts it).
 
 Timed: from the start of the pull to the end of the run (the command's output checked).
 Bytes fetched: response bytes the registry's access log records for the timed phase.
@@ -283,10 +289,14 @@ def containerd_side(ns, registry, image: Image, ref: str, work: Path, procs: Pro
     return side
 
 
-def start_shoal_node(ns, workdir: Path, procs: Procs) -> tuple[subprocess.Popen, Path, Path]:
+def start_shoal_node(ns, workdir: Path, procs: Procs, config: str = "") -> tuple[subprocess.Popen, Path, Path]:
     root, sock = workdir / "shoal-root", workdir / "shoal.sock"
     log = workdir / "shoal-node.log"
-    proc = procs.popen([*sh_prefix(ns), common.SHOAL, "node", "--root", root, "--socket", sock], log)
+    extra = []
+    if config:
+        (workdir / "shoal.toml").write_text(config)
+        extra = ["--config", workdir / "shoal.toml"]
+    proc = procs.popen([*sh_prefix(ns), common.SHOAL, "node", "--root", root, "--socket", sock, *extra], log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.poll() is None:
         if sock.exists():
@@ -295,13 +305,18 @@ def start_shoal_node(ns, workdir: Path, procs: Procs) -> tuple[subprocess.Popen,
     raise BenchFailure(f"shoal node did not start (exit {proc.poll()}): {log.read_text(errors='replace')[-1500:]}")
 
 
-def shoal_side(ns, registry, image: Image, ref: str, work: Path, procs: Procs) -> Side:
+def shoal_side(ns, registry, image: Image, ref: str, work: Path, procs: Procs, profiles: bool) -> Side:
+    """One cold shoal node. profiles=False: the node ignores published access profiles
+    ([fetch] prefetch_profiles = false), and after its run publishes what it read as the
+    image's profile (`shoal profile save --push`, not timed). profiles=True: a default
+    node, which prefetches the published profile when the pull prepares the layers."""
     side = Side()
-    workdir = work / "shoal"
+    workdir = work / ("shoal-profiled" if profiles else "shoal")
     workdir.mkdir(parents=True, exist_ok=True)
     node = server = None
     try:
-        node, root, sock = start_shoal_node(ns, workdir, procs)
+        node, root, sock = start_shoal_node(ns, workdir, procs,
+                                            "" if profiles else "[fetch]\nprefetch_profiles = false\n")
         server = start_containerd_in(ns, workdir / "containerd", procs, proxy_socket=sock)
         mark = registry_mark(registry)
         t0 = time.perf_counter()
@@ -315,6 +330,10 @@ def shoal_side(ns, registry, image: Image, ref: str, work: Path, procs: Procs) -
         side.pull_s, side.run_s, side.seconds = t1 - t0, t2 - t1, t2 - t0
         side.requests, side.bytes_fetched = registry_since(registry, mark)
         side.detail["pull"] = pull.stdout.strip()[-2000:]
+        if not profiles:
+            saved = run_cmd([*sh_prefix(ns), common.SHOAL, "profile", "save", ref, "--root", root, "--push",
+                             "--plain-http"], 120, "shoal profile save")
+            side.detail["profile"] = saved.stdout.strip().splitlines()[0] if saved.stdout.strip() else ""
         status = subprocess.run([common.SHOAL, "status", "--root", str(root), "--json"], capture_output=True,
                                 text=True, check=False, timeout=30)
         if status.returncode == 0:
@@ -451,16 +470,23 @@ def run_link(link: str, rate: str | None, image: Image, storage: Path, work: Pat
             else:
                 common.say(f"[{link}] containerd: {ctd.seconds:.2f}s (pull+unpack {ctd.pull_s:.2f}s, run "
                            f"{ctd.run_s:.2f}s), {ctd.bytes_fetched / 1e6:,.1f} MB fetched")
-            common.say(f"[{link}] shoal: shoal pull + ctr run --snapshotter shoal, cold node")
-            sh = shoal_side(ns, registry, image, shoal_ref, linkdir, procs)
-            if sh.error:
-                common.say(f"[{link}] shoal FAILED: {sh.error}")
-            else:
-                common.say(f"[{link}] shoal: {sh.seconds:.2f}s (pull {sh.pull_s:.2f}s, run {sh.run_s:.2f}s), "
-                           f"{sh.bytes_fetched / 1e6:,.1f} MB fetched")
+            sides = {}
+            for profiles, label in ((False, "shoal"), (True, "shoal+profile")):
+                common.say(f"[{link}] {label}: shoal pull + ctr run --snapshotter shoal, cold node"
+                           + (" (the image's access profile published)" if profiles else ", no access profile"))
+                sh = sides[label] = shoal_side(ns, registry, image, shoal_ref, linkdir, procs, profiles)
+                if sh.error:
+                    common.say(f"[{link}] {label} FAILED: {sh.error}")
+                else:
+                    common.say(f"[{link}] {label}: {sh.seconds:.2f}s (pull {sh.pull_s:.2f}s, run {sh.run_s:.2f}s), "
+                               f"{sh.bytes_fetched / 1e6:,.1f} MB fetched in {sh.requests} requests")
+                if sh.detail.get("profile"):
+                    common.say(f"[{link}] published the access profile: {sh.detail['profile']}")
+            sh, pf = sides["shoal"], sides["shoal+profile"]
         finally:
             procs.stop_all()
     ratio = round(sh.seconds / ctd.seconds, 4) if sh.seconds and ctd.seconds else None
+    ratio_pf = round(pf.seconds / ctd.seconds, 4) if pf.seconds and ctd.seconds else None
     return {
         "link": link,
         "containerd_s": round(ctd.seconds, 3) if ctd.seconds is not None else None,
@@ -480,8 +506,17 @@ def run_link(link: str, rate: str | None, image: Image, storage: Path, work: Pat
         "calibration": cal,
         "loadavg_1m": load,
         "target_met": ratio is not None and ratio <= TARGET,
+        "shoal_profiled_s": round(pf.seconds, 3) if pf.seconds is not None else None,
+        "ratio_profiled": ratio_pf,
+        "profiled_bytes_fetched": pf.bytes_fetched,
+        "profiled_requests": pf.requests,
+        "profiled_pull_s": round(pf.pull_s, 3) if pf.pull_s is not None else None,
+        "profiled_run_s": round(pf.run_s, 3) if pf.run_s is not None else None,
+        "target_met_profiled": ratio_pf is not None and ratio_pf <= TARGET,
         **({"containerd_error": ctd.error} if ctd.error else {}),
         **({"shoal_error": sh.error, "shoal_node_log_tail": sh.detail.get("node_log_tail", "")} if sh.error else {}),
+        **({"profiled_error": pf.error, "profiled_node_log_tail": pf.detail.get("node_log_tail", "")}
+           if pf.error else {}),
     }
 
 
@@ -558,6 +593,8 @@ def report(f: dict) -> str:
             secs(r["containerd_s"]), f"{secs(r['containerd_pull_s'])} + {secs(r['containerd_run_s'])}",
             secs(r["shoal_s"]), f"{secs(r['shoal_pull_s'])} + {secs(r['shoal_run_s'])}",
             "-" if r["ratio"] is None else f"{r['ratio']:.3f}x",
+            secs(r["shoal_profiled_s"]), f"{secs(r['profiled_pull_s'])} + {secs(r['profiled_run_s'])}",
+            "-" if r["ratio_profiled"] is None else f"{r['ratio_profiled']:.3f}x",
             mb(r["containerd_bytes_fetched"]), mb(r["bytes_fetched"]),
             "-" if r["fetched_fraction"] is None else f"{r['fetched_fraction'] * 100:.1f}%",
             f"{r['loadavg_1m']:.1f}",
@@ -571,11 +608,11 @@ def report(f: dict) -> str:
          f"load: 1-minute load average at the link's start ({common.cores()} cores)"),
         "",
         common.table(["link", "Mbit/s", "containerd s", "pull + run", "shoal s", "pull + run", "shoal/ctd",
-                      "ctd MB fetched", "shoal MB fetched", "of image", "load"], rows),
+                      "+profile s", "pull + run", "+profile/ctd", "ctd MB fetched", "shoal MB fetched", "of image", "load"], rows),
         "",
     ]
     for r in f["runs"]:
-        for key in ("containerd_error", "shoal_error"):
+        for key in ("containerd_error", "shoal_error", "profiled_error"):
             if key in r:
                 msg = r[key].strip().splitlines() or [""]
                 text = msg[0] if len(msg) == 1 else f"{msg[0]} ... {msg[-1]}"
@@ -583,6 +620,9 @@ def report(f: dict) -> str:
         if r["ratio"] is not None:
             lines.append(f"target {r['link']}: shoal {r['ratio']:.3f}x containerd (want <= {f['target_ratio']}x)  "
                          f"{'PASS' if r['target_met'] else 'MISS'}")
+        if r["ratio_profiled"] is not None:
+            lines.append(f"target {r['link']}: shoal with the image's access profile {r['ratio_profiled']:.3f}x "
+                         f"containerd (want <= {f['target_ratio']}x)  {'PASS' if r['target_met_profiled'] else 'MISS'}")
     return "\n".join(lines)
 
 
@@ -606,7 +646,7 @@ def main() -> int:
         common.emit_json(figures)
     else:
         print(report(figures))
-    failed = any("containerd_error" in r or "shoal_error" in r for r in figures["runs"])
+    failed = any("containerd_error" in r or "shoal_error" in r or "profiled_error" in r for r in figures["runs"])
     return 1 if failed else 0
 
 

@@ -941,6 +941,7 @@ class LayerReader:
         self._layer = layer
         self._offsets: dict[str, list[int]] = {}  # file -> its chunks' file offsets
         self.memory = memory if memory is not None else ChunkMemory()
+        self.on_read: Callable[[Sequence[Chunk]], None] | None = None  # told the chunks of every read
         self.entries: dict[str, Entry] = {}
         self.children: dict[str, dict[str, None]] = {"": {}}
         self.nlink: dict[str, int] = {}
@@ -1074,7 +1075,10 @@ class LayerReader:
         chunks = self.chunks_for(path, offset, size)
         if not chunks:
             return b""
-        return _slice_chunks(chunks, self.load_chunks(chunks, path), offset, size)
+        data = _slice_chunks(chunks, self.load_chunks(chunks, path), offset, size)
+        if self.on_read is not None:
+            self.on_read(chunks)
+        return data
 
     def memory_key(self, c: Chunk) -> object:
         """The chunk's key in `memory`: its digest, or a key only this reader uses."""
@@ -1092,6 +1096,8 @@ class LayerReader:
             if data is None:
                 return None
             datas.append(data)
+        if self.on_read is not None and chunks:
+            self.on_read(chunks)
         return _slice_chunks(chunks, datas, offset, size)
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:

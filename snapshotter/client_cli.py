@@ -89,7 +89,8 @@ def format_status(s: dict) -> str:
     for ly in s["lazy_layers"]:
         lines.append(
             f"    {ly['digest']}  {ly['image']}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
-            f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B)  errors {ly['errors']}"
+            f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B;"
+            f" {ly.get('prefetched_chunks', 0)} by prefetch)  errors {ly['errors']}"
             f"  waited {ly.get('fetch_seconds', 0):.2f}s on sources, {ly.get('decode_seconds', 0):.2f}s decoding"
         )
     lines.append(f"  unpacked layers: {len(s['unpacked_layers'])}")

@@ -170,6 +170,7 @@ class SingleFlight:
 READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
 READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
 READAHEAD_GAP = 64 << 10
+PREFETCH_BATCH_BYTES = 4 << 20  # compressed bytes per prefetch request batch
 
 
 class NodeChunkLoader:
@@ -193,6 +194,7 @@ class NodeChunkLoader:
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # compressed bytes that came over the network
         self.readahead_chunks = 0
+        self.prefetched_chunks = 0  # fetched by prefetch() before any read asked for them
         self.fetch_seconds = 0.0  # waiting for the sources
         self.decode_seconds = 0.0  # decompressing and verifying what they sent
         self._order: list[Chunk] = []  # every chunk of the layer by blob offset
@@ -243,6 +245,54 @@ class NodeChunkLoader:
                 budget -= size
         return extras
 
+    def chunks_at(self, ranges: Sequence[Sequence[int]]) -> list[Chunk]:
+        """The layer's chunks whose compressed ranges are `ranges` ([start, end) pairs, as
+        an access profile lists them), in that order; ranges that are not a chunk of this
+        layer are left out."""
+        out = []
+        for r in ranges:
+            try:
+                start, end = int(r[0]), int(r[1])
+            except (TypeError, ValueError, IndexError):
+                continue
+            pos = self._position.get(start)
+            if pos is not None and self._order[pos].end == end:
+                out.append(self._order[pos])
+        return out
+
+    def prefetch(self, chunks: Sequence[Chunk], budget: int = PREFETCH_BATCH_BYTES) -> int:
+        """Fetch `chunks` that are neither here nor on their way, in their order, in
+        requests of up to `budget` compressed bytes, into memory and the store (the
+        same path as a read's fetch, so a read of a chunk being prefetched waits for
+        it instead of fetching it again). Returns how many it fetched. Failures are
+        logged and left for the reads to retry."""
+        done = 0
+        batch: list[tuple[int, Chunk]] = []
+        size = 0
+
+        def flush() -> int:
+            nonlocal batch, size
+            mine, batch, size = batch, [], 0
+            if not mine:
+                return 0
+            mine.sort(key=lambda ic: ic[1].start)  # adjacent chunks share a request
+            try:
+                self._fetch(mine, {}, f"prefetch of {self.layer}", "prefetch")
+            except ShoalError:
+                return 0  # logged by _fetch; the reads will ask again
+            return len(mine)
+
+        for c in chunks:
+            if not c.digest or c.zeros or not self._claim_extra(c):
+                continue
+            batch.append((-1, c))
+            size += c.end - c.start
+            if size >= budget:
+                done += flush()
+        done += flush()
+        self.prefetched_chunks += done
+        return done
+
     def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]:
         results: dict[int, bytes] = {}
         waiting: list[tuple[int, Future]] = []
@@ -284,7 +334,10 @@ class NodeChunkLoader:
             self.memory.put(c.digest, data)
         return data
 
-    def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str) -> None:
+    def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str,
+               extra: str = "read-ahead") -> None:
+        """Fetch, decode and verify `mine` ((index in the read, chunk); index -1 for a
+        chunk no read asked for: `extra` says why it is fetched, read-ahead or prefetch)."""
         ranges = [(c.start, c.end) for _, c in mine]
         t0 = time.perf_counter()
         try:
@@ -301,7 +354,7 @@ class NodeChunkLoader:
         for (i, c), raw in zip(mine, raws):
             key = c.digest or f"{self.blob.digest}@{c.start}"
             try:
-                data = decode_chunk(c, raw, f"{what} in {self.layer}" if i >= 0 else f"read-ahead in {self.layer}")
+                data = decode_chunk(c, raw, f"{what} in {self.layer}" if i >= 0 else f"{extra} in {self.layer}")
             except ShoalError as e:
                 log.error("%s (fetched from %s)", e, self.blob)
                 self.flight.resolve(key, error=e)
@@ -319,7 +372,7 @@ class NodeChunkLoader:
             self.fetched_bytes += len(raw)
             if i >= 0:
                 results[i] = data
-            else:
+            elif extra == "read-ahead":
                 self.readahead_chunks += 1
             self.flight.resolve(key, data=data)
         self.decode_seconds += time.perf_counter() - t1

@@ -55,6 +55,7 @@ class FetchConfig:
     store_capacity: int = 0  # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
     memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
     readahead_kb: int = 1024  # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
+    prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
 
 
 @dataclass

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from builder.convert import _Decompressing
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
+from builder.profile import fetch_profile
 from builder.zstdchunked import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
@@ -91,6 +92,7 @@ class RemoteLayers:
         self._warmed: set[str] = set()  # manifests whose layers were warmed
         self._warm_pool = ThreadPoolExecutor(4, thread_name_prefix="shoal-warm")
         self.warmed_layers = 0
+        self.prefetched_images = 0  # images whose access profile was handed to the layer fs
 
     # --- the seam -------------------------------------------------------------------------
 
@@ -150,6 +152,34 @@ class RemoteLayers:
             except ShoalError:
                 continue  # its prepare reports it
             self._warm_pool.submit(self._warm_layer, other, desc, image)
+        self._prefetch_profile(blob, manifest_digest, image, layers)
+
+    def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list) -> None:
+        """If the image has a published access profile (builder/profile.py), hand it to
+        the layer file system, which fetches its chunks in its order as each layer is
+        loaded: while containerd still prepares the layers, before the container's
+        first read."""
+        if not self.config.get("prefetch_profiles", True):
+            return
+        digests = [d.get("digest") for d in layers if isinstance(d, dict)]
+        try:
+            profile = fetch_profile(blob.registry, blob.repository, manifest_digest, blob.plain_http, digests)
+        except (ShoalError, OSError, ValueError) as e:
+            log.warning("%s: access profile of %s not used: %s", image, manifest_digest, e)
+            return
+        if profile is None:
+            log.info("%s: no access profile for %s", image, manifest_digest)
+            return
+        try:
+            self.fs.ensure_running()
+            queued = self.fs.call("prefetch", chunks=[list(c) for c in profile.chunks])["queued"]
+        except (ShoalError, OSError) as e:
+            log.warning("%s: prefetch of its access profile: %s", image, e)
+            return
+        with self._locks_lock:
+            self.prefetched_images += 1
+        log.info("%s: access profile: %d chunks (%.1f MB), %d of them queued now, the rest as their layers load",
+                 image, len(profile.chunks), profile.compressed_bytes / 1e6, queued)
 
     def _warm_layer(self, blob: BlobRef, desc: dict, image: str) -> None:
         lock = self._lock_for(blob.digest)

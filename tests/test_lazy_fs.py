@@ -431,3 +431,142 @@ def test_first_prepare_warms_the_image_s_other_layers(image, node):
     paths = [Path(layers.prepare(f"l{i}", "", labels[i]).path) for i in range(1, len(labels))]
     assert [registry.count("GET", ly["digest"]) for ly in manifest["layers"][1:]] == before
     assert (paths[0] / "usr/bin/python3.11").stat().st_size > 0
+
+
+# --- access profiles (builder/profile.py, shoal profile, prefetch by the node) -------------------
+
+
+def _manifest_digest(ref: str) -> str:
+    with open_source(f"docker://{ref}", plain_http=True) as src:
+        return "sha256:" + hashlib.sha256(src.get_root().data).hexdigest()
+
+
+def _prepare_image(layers: RemoteLayers, ref: str, manifest: dict, manifest_digest: str) -> list[Path]:
+    """Prepare every layer the way CRI does (with the manifest digest label)."""
+    labels = [{**layer_labels(ref, ly), remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
+              for ly in manifest["layers"]]
+    return [Path(layers.prepare(f"p{i}", "", lab).path) for i, lab in enumerate(labels)]
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_path):
+    """A node notes the chunks reads use, in order; `shoal profile save --push` publishes
+    them next to the image; a cold node that prepares the image fetches exactly those
+    chunks before any read, and the same reads then send nothing to the registry."""
+    from builder.profile import profile_tag
+    from tests.services import SHOAL
+
+    registry, ref, manifest, _ = image
+    digest = _manifest_digest(ref)
+    layers_a, _ = node
+    mounts_a = _prepare_image(layers_a, ref, manifest, digest)
+    reads = [(1, "usr/bin/python3.11", 0, 200_000), (0, "bin/busybox", 0, None),
+             (1, "usr/lib/python3.11/json/decoder.py", 0, None)]
+
+    def read_all(mounts: list[Path]) -> list[bytes]:
+        out = []
+        for i, path, off, size in reads:
+            with open(mounts[i] / path, "rb") as f:
+                f.seek(off)
+                out.append(f.read(size) if size else f.read())
+        return out
+
+    want = read_all(mounts_a)
+    trace = layers_a.fs.call("profile")["chunks"]
+    assert trace and trace[0][0] == manifest["layers"][1]["digest"]  # python3.11 was read first
+    assert len({(d, a) for d, a, _ in trace}) == len(trace)  # each chunk once
+
+    saved = subprocess.run([SHOAL, "profile", "save", ref, "--root", str(tmp_path / "node root"), "--push", "--json"],
+                           capture_output=True, text=True)
+    assert saved.returncode == 0, saved.stderr
+    summary = json.loads(saved.stdout)
+    assert summary["chunks"] == len(trace) and profile_tag(digest) in summary["where"]
+    shown = subprocess.run([SHOAL, "profile", "show", ref, "--json"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["chunks"] == len(trace)
+
+    # a cold node: preparing the image fetches the profile's chunks, before any read
+    layers_b = RemoteLayers(str(tmp_path / "cold node"))
+    try:
+        mounts_b = _prepare_image(layers_b, ref, manifest, digest)
+
+        def prefetched():
+            status = layers_b.fs.status()["layers"]
+            return sum(ly["prefetched_chunks"] for ly in status) == len(trace) and status
+
+        _wait_for(prefetched, "the profile's chunks to be prefetched")
+        assert layers_b.prefetched_images == 1
+        blobs = [ly["digest"] for ly in manifest["layers"]]
+        before = [registry.count("GET", b) for b in blobs]
+        assert read_all(mounts_b) == want
+        assert [registry.count("GET", b) for b in blobs] == before  # every chunk was there already
+    finally:
+        layers_b.fs.stop()
+    assert not os.path.ismount(layers_b.fs.mnt)
+
+
+def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, caplog):
+    """`[fetch] prefetch_profiles = false` fetches no profile; a malformed profile is
+    refused with a log line naming the image, and reads are unaffected; a profile whose
+    ranges are not chunks of the layer prefetches nothing."""
+    import logging
+
+    from builder.profile import Profile, fetch_profile, push_profile, push_profile_bytes
+    from shoal.errors import FormatError
+
+    registry, ref, manifest, _ = image
+    digest = _manifest_digest(ref)
+    host, repo = ref.split("/", 1)
+    repo = repo.split(":", 1)[0]
+    top = manifest["layers"][1]["digest"]
+
+    def cold_node(name: str, config: dict | None = None) -> tuple[RemoteLayers, list[Path]]:
+        layers = RemoteLayers(str(tmp_path / name), config)
+        return layers, _prepare_image(layers, ref, manifest, digest)
+
+    # ranges that are no chunk of the layer: accepted by the format, skipped by the node
+    push_profile(host, repo, Profile(digest, [(top, 1, 2), (top, 3, 99)]), plain_http=True)
+    layers, mounts = cold_node("skips")
+    try:
+        _wait_for(lambda: layers.prefetched_images == 1, "the profile to be handed over")
+        assert sum(ly["prefetched_chunks"] for ly in layers.fs.status()["layers"]) == 0
+        assert (mounts[1] / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
+    finally:
+        layers.fs.stop()
+
+    # malformed: refused when fetched, with a log line; the node goes on
+    for blob in (b"{not json", json.dumps({"schemaVersion": 1, "manifest": digest, "layers": [top],
+                                           "chunks": [[5, 0, 10]]}).encode()):
+        push_profile_bytes(host, repo, digest, blob, plain_http=True)
+        with pytest.raises(FormatError):
+            fetch_profile(host, repo, digest, True, [ly["digest"] for ly in manifest["layers"]])
+    caplog.set_level(logging.WARNING, logger="shoal.remote")
+    layers, mounts = cold_node("bad")
+    try:
+        _wait_for(lambda: any("access profile" in r.getMessage() and ref in r.getMessage()
+                              for r in caplog.records), "a log line about the bad profile")
+        assert layers.prefetched_images == 0
+        assert (mounts[0] / "bin/busybox").stat().st_size > 0
+    finally:
+        layers.fs.stop()
+
+    # switched off: the profile is not even fetched
+    push_profile(host, repo, Profile(digest, [(top, 1, 2)]), plain_http=True)
+    gets = registry.count("GET", "shoal-profile")[0]
+    layers, _ = cold_node("off", {"prefetch_profiles": False})
+    try:
+        layers._warm_pool.shutdown(wait=True)  # the warm-up, which would fetch the profile, is over
+        assert registry.count("GET", "shoal-profile")[0] == gets and layers.prefetched_images == 0
+    finally:
+        layers.fs.stop()

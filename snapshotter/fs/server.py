@@ -10,7 +10,12 @@ restart of the node's control plane (gRPC, asyncio) does not take running contai
 files away: the node reconnects to this server by its socket. On start it loads every
 layer found under ROOT/layers, so a reboot restores the mounts too.
 
-Control ops: ping, load {id}, unload {id}, status.
+Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks}.
+
+Access profile: the server notes every chunk that reads use, once, in the order of their
+first use, across layers (`profile` returns [[layer digest, start, end], ...]). `prefetch`
+takes such a list and fetches those chunks in that order on a few threads of its own, in
+requests of several chunks, before the reads ask for them (prefetch/profile.py).
 Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
 then swarm/region/origin, verified); any failure is EIO plus a log line that names the
 layer, the file and the chunk. Metadata operations never touch the network.
@@ -26,7 +31,9 @@ import os
 import signal
 import stat as statmod
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -43,6 +50,10 @@ log = logging.getLogger("shoal.fs")
 LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
 TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
 ROOT_TIMEOUT = 1.0  # the set of layers changes
+TRACE_LIMIT = 1_000_000  # chunks noted in the access profile
+PREFETCH_THREADS = 2
+PREFETCH_FIRST = 1 << 20  # compressed bytes of the first prefetch job
+PREFETCH_BATCH = 16 << 20  # and of the later ones (each doubles the one before)
 
 
 @dataclass
@@ -77,6 +88,12 @@ class LayerFS(pyfuse3.Operations):
         self.started = time.time()
         self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
+        self.trace: list[tuple[str, int, int]] = []  # (layer digest, start, end) by first use
+        self._traced: set[tuple[str, int]] = set()
+        self._trace_lock = threading.Lock()
+        self._prefetch_pool: ThreadPoolExecutor | None = None
+        self._waiting_prefetch: dict[str, list] = {}  # layer digest -> profile entries
+        self.prefetch_queued = 0
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
             setattr(self, name, self._timed(name, getattr(self, name)))
 
@@ -128,11 +145,82 @@ class LayerFS(pyfuse3.Operations):
         if layer_id in self.layers:
             return self.layers[layer_id]
         layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time())
+        view.reader.on_read = lambda chunks, digest=blob.digest: self._note(digest, chunks)
         self._next_number += 1
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
         log.info("loaded layer %s of %s (%d entries)", blob.digest, image or "?", len(view.reader.entries))
+        waiting = self._waiting_prefetch.pop(blob.digest, None)
+        if waiting:
+            log.info("prefetching %d chunks of layer %s", self.prefetch(waiting), blob.digest)
         return layer
+
+    def _note(self, digest: str, chunks) -> None:
+        """Add the chunks of a read to the access profile (first use only)."""
+        traced = self._traced
+        new = [c for c in chunks if (digest, c.start) not in traced and c.digest and not c.zeros]
+        if not new or len(self.trace) >= TRACE_LIMIT:
+            return
+        with self._trace_lock:
+            for c in new:
+                key = (digest, c.start)
+                if key not in traced:
+                    traced.add(key)
+                    self.trace.append((digest, c.start, c.end))
+
+    def profile(self, digests=None) -> list[list]:
+        """The access profile so far: [[layer digest, start, end], ...] in first-use order
+        (only the layers named in `digests`, if given)."""
+        with self._trace_lock:
+            trace = list(self.trace)
+        keep = set(digests) if digests else None
+        return [[d, a, b] for d, a, b in trace if keep is None or d in keep]
+
+    def prefetch(self, entries) -> int:
+        """Fetch the chunks of `entries` ([[layer digest, start, end], ...], an access
+        profile) in that order, in jobs of one layer's chunks (PREFETCH_FIRST compressed
+        bytes, then twice as many each, up to PREFETCH_BATCH), on PREFETCH_THREADS threads. Entries of layers not loaded here, or that
+        are not chunks of their layer, are skipped. Entries of a layer not loaded yet wait
+        for it (the node sends the profile while containerd still prepares the image's
+        layers). Returns the number of chunks queued now."""
+        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
+        jobs: list[list] = []
+        queued = 0
+        for entry in entries:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
+                continue
+            layer = by_digest.get(entry[0])
+            if layer is None:  # its turn comes when it is loaded
+                self._waiting_prefetch.setdefault(entry[0], []).append(entry)
+                continue
+            chunks = layer.loader.chunks_at([entry[1:]]) if layer and hasattr(layer.loader, "chunks_at") else []
+            if not chunks:
+                continue
+            c = chunks[0]
+            # jobs grow from PREFETCH_FIRST to PREFETCH_BATCH: the first chunks come soon,
+            # the rest in few requests (a job's chunks are fetched in blob order)
+            budget = min(PREFETCH_BATCH, PREFETCH_FIRST << len(jobs))
+            if jobs and jobs[-1][0] is layer.loader and jobs[-1][2] + c.end - c.start <= budget:
+                jobs[-1][1].append(c)
+                jobs[-1][2] += c.end - c.start
+            else:
+                jobs.append([layer.loader, [c], c.end - c.start])
+            queued += 1
+        if not jobs:
+            return 0
+        if self._prefetch_pool is None:
+            self._prefetch_pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="shoal-prefetch")
+        for loader, chunks, _ in jobs:
+            self._prefetch_pool.submit(self._prefetch_job, loader, chunks)
+        self.prefetch_queued += queued
+        return queued
+
+    @staticmethod
+    def _prefetch_job(loader, chunks) -> None:
+        try:
+            loader.prefetch(chunks, PREFETCH_BATCH)
+        except Exception:  # noqa: BLE001 - a prefetch is an optimisation: the reads fetch what it misses
+            log.exception("prefetch of %d chunks of %s failed", len(chunks), getattr(loader, "layer", "?"))
 
     def unload(self, layer_id: str) -> bool:
         layer = self.layers.pop(layer_id, None)
@@ -157,6 +245,7 @@ class LayerFS(pyfuse3.Operations):
                 "fetched_chunks": getattr(loader, "fetched_chunks", 0),
                 "fetched_bytes": getattr(loader, "fetched_bytes", 0),
                 "readahead_chunks": getattr(loader, "readahead_chunks", 0),
+                "prefetched_chunks": getattr(loader, "prefetched_chunks", 0),
                 "fetch_seconds": round(getattr(loader, "fetch_seconds", 0.0), 3),
                 "decode_seconds": round(getattr(loader, "decode_seconds", 0.0), 3),
             })
@@ -376,6 +465,13 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
             return {"ok": True, "unloaded": fs.unload(str(req["id"]))}
         if op == "status":
             return {"ok": True, **fs.status(), "store": fs_store_stats(fs)}
+        if op == "profile":
+            return {"ok": True, "chunks": fs.profile(req.get("layers"))}
+        if op == "prefetch":
+            entries = req.get("chunks")
+            if not isinstance(entries, list):
+                raise ValueError("prefetch needs a list of chunks")
+            return {"ok": True, "queued": fs.prefetch(entries)}
         return {"ok": False, "error": f"unknown op {op!r}"}
     except (ShoalError, OSError, ValueError, KeyError) as e:
         log.error("control %s: %s", line[:200], e)

@@ -1,0 +1,174 @@
+"""Access profiles: the chunks an image's start reads, in the order it reads them.
+
+A node notes which chunks its containers read first (snapshotter/fs/server.py);
+`shoal profile save` turns that into a profile and publishes it next to the image. A node
+that prepares the image later finds the profile and fetches those chunks, in that order and
+in large requests, while containerd is still preparing the layers (snapshotter/remote.py),
+so the container's first reads find their chunks in memory.
+
+The profile is an OCI artifact in the image's repository, tagged
+`sha256-<manifest hex>.shoal-profile` (one per image manifest; no registry feature beyond
+plain manifests and tags is needed):
+
+    manifest: OCI image manifest, config {mediaType CONFIG_MEDIA_TYPE, the JSON "{}"},
+              one layer {mediaType PROFILE_MEDIA_TYPE}, annotation MANIFEST_ANNOTATION
+    blob:     {"schemaVersion": 1, "manifest": "sha256:...",
+               "layers": ["sha256:...", ...],                 the image's layer digests
+               "chunks": [[layer index, start, end], ...]}    compressed byte ranges
+
+A profile is only a hint: its ranges are checked against each layer's TOC (a range that
+is not a chunk is skipped) and every chunk is verified by its digest as always. A bad or
+missing profile makes no difference to what a container reads, only to when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shoal import mediatypes as mt
+from builder.oci.base import Manifest
+from builder.oci.refs import DockerRef
+from builder.oci.registry import RegistryDestination, RegistrySource
+from shoal.digest import check_digest, sha256_digest
+from shoal.errors import FormatError, NotFound
+
+PROFILE_MEDIA_TYPE = "application/vnd.shoal.profile.v1+json"
+CONFIG_MEDIA_TYPE = "application/vnd.shoal.profile.config.v1+json"
+MANIFEST_ANNOTATION = "io.github.shoal.profile.manifest"
+MAX_PROFILE_BYTES = 64 << 20
+MAX_CHUNKS = 1_000_000
+
+
+def profile_tag(manifest_digest: str) -> str:
+    """The tag of the profile of the image whose manifest is `manifest_digest`."""
+    algo, _, hexpart = check_digest(manifest_digest).partition(":")
+    return f"{algo}-{hexpart}.shoal-profile"
+
+
+@dataclass
+class Profile:
+    manifest: str  # the image manifest's digest
+    chunks: list[tuple[str, int, int]]  # (layer digest, start, end) in order of first use
+
+    @property
+    def layers(self) -> list[str]:
+        return list(dict.fromkeys(d for d, _, _ in self.chunks))
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(end - start for _, start, end in self.chunks)
+
+    def to_json(self, layer_order: Sequence[str] | None = None) -> bytes:
+        layers = list(layer_order) if layer_order else self.layers
+        index = {d: i for i, d in enumerate(layers)}
+        return json.dumps({
+            "schemaVersion": 1,
+            "manifest": self.manifest,
+            "layers": layers,
+            "chunks": [[index[d], a, b] for d, a, b in self.chunks if d in index],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, manifest: str, layers: Iterable[str] | None = None) -> Profile:
+        """Parse and check a profile of the image `manifest` (whose layers, if given,
+        must include every layer the profile names). Raises FormatError."""
+        what = f"access profile of {manifest}"
+        if len(data) > MAX_PROFILE_BYTES:
+            raise FormatError(f"{what}: {len(data)} bytes, more than {MAX_PROFILE_BYTES}")
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FormatError(f"{what}: not JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("schemaVersion") != 1:
+            raise FormatError(f"{what}: not a version 1 profile")
+        if doc.get("manifest") != manifest:
+            raise FormatError(f"{what}: it describes {str(doc.get('manifest'))[:80]!r}")
+        names, entries = doc.get("layers"), doc.get("chunks")
+        if not isinstance(names, list) or not isinstance(entries, list):
+            raise FormatError(f"{what}: layers and chunks must be lists")
+        if len(entries) > MAX_CHUNKS:
+            raise FormatError(f"{what}: {len(entries)} chunks, more than {MAX_CHUNKS}")
+        names = [check_digest(n, f"{what}: layer") for n in names]
+        allowed = set(layers) if layers is not None else None
+        if allowed is not None and not set(names) <= allowed:
+            raise FormatError(f"{what}: names layers the image does not have")
+        chunks = []
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)
+                    and 0 <= e[0] < len(names) and 0 <= e[1] < e[2]):
+                raise FormatError(f"{what}: bad chunk entry {str(e)[:80]}")
+            chunks.append((names[e[0]], e[1], e[2]))
+        return cls(manifest, chunks)
+
+
+def _image_layers(src: RegistrySource, manifest_digest: str) -> list[str]:
+    doc = json.loads(src.get_manifest(manifest_digest).data)
+    return [check_digest(d.get("digest")) for d in doc.get("layers") or [] if isinstance(d, dict)]
+
+
+def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,
+                  layers: Iterable[str] | None = None) -> Profile | None:
+    """The published profile of an image, or None if it has none. Raises ShoalError for
+    a registry that fails or a profile that is malformed."""
+    src = RegistrySource(DockerRef(host, repository, tag=profile_tag(manifest_digest)), plain_http)
+    try:
+        try:
+            art = src.get_root()
+        except NotFound:
+            return None
+        doc = json.loads(art.data)
+        blobs = [d for d in doc.get("layers") or [] if isinstance(d, dict) and d.get("mediaType") == PROFILE_MEDIA_TYPE]
+        if len(blobs) != 1 or not isinstance(blobs[0].get("size"), int):
+            raise FormatError(f"{src.reference}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
+        if blobs[0]["size"] > MAX_PROFILE_BYTES:
+            raise FormatError(f"{src.reference}: profile of {blobs[0]['size']} bytes, more than {MAX_PROFILE_BYTES}")
+        with src.open_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"]) as f:  # verified by digest
+            data = f.read()
+            while f.read(65536):
+                pass
+        return Profile.from_json(data, manifest_digest, layers)
+    finally:
+        src.close()
+
+
+def push_profile(host: str, repository: str, profile: Profile, plain_http: bool = False) -> str:
+    """Publish `profile` next to its image; returns the reference it was pushed as."""
+    src = RegistrySource(DockerRef(host, repository), plain_http)
+    try:
+        layer_order = _image_layers(src, profile.manifest)
+    finally:
+        src.close()
+    missing = set(profile.layers) - set(layer_order)
+    if missing:
+        raise FormatError(f"profile of {profile.manifest}: layer {sorted(missing)[0]} is not in the image")
+    return push_profile_bytes(host, repository, profile.manifest, profile.to_json(layer_order), plain_http)
+
+
+def push_profile_bytes(host: str, repository: str, manifest_digest: str, blob: bytes, plain_http: bool = False) -> str:
+    """Push `blob` as the profile of the image `manifest_digest` (not checked: push_profile
+    makes the blob; tests push bad ones)."""
+    ref = DockerRef(host, repository, tag=profile_tag(manifest_digest))
+    config = b"{}"
+    manifest = json.dumps({
+        "schemaVersion": 2,
+        "mediaType": mt.OCI_MANIFEST,
+        "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": sha256_digest(config), "size": len(config)},
+        "layers": [{"mediaType": PROFILE_MEDIA_TYPE, "digest": sha256_digest(blob), "size": len(blob)}],
+        "annotations": {MANIFEST_ANNOTATION: manifest_digest},
+    }, separators=(",", ":")).encode()
+    dest = RegistryDestination(ref, plain_http)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shoal-profile-") as tmp:
+            for data in (config, blob):
+                path = os.path.join(tmp, "blob")
+                with open(path, "wb") as f:
+                    f.write(data)
+                dest.put_blob(path, sha256_digest(data), len(data))
+        dest.put_root(Manifest(manifest, mt.OCI_MANIFEST, sha256_digest(manifest)))
+    finally:
+        dest.close()
+    return str(ref)
