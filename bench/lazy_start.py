@@ -443,6 +443,14 @@ def calibrate(ns: common.NetNamespace, registry, image: Image) -> dict:
     return {"bytes": got, "seconds": round(secs, 3), "mbit_s": round(got * 8 / secs / 1e6, 1) if secs else None}
 
 
+def settle() -> None:
+    """Before each side: write out what the previous side left dirty (containerd's unpacked
+    layers, a shoal node's chunk store), so that its writeback does not land in the next
+    side's timed start (not timed)."""
+    os.sync()
+    time.sleep(1)
+
+
 def run_link(link: str, rate: str | None, image: Image, storage: Path, work: Path, procs: Procs) -> dict:
     ns_name = f"shoal-bench-{os.getpid()}-{link}"
     linkdir = work / link
@@ -461,6 +469,7 @@ def run_link(link: str, rate: str | None, image: Image, storage: Path, work: Pat
             host = registry.host
             gz_ref, shoal_ref = f"{host}/{REPO_NAME}:gzip", f"{host}/{REPO_NAME}:shoal"
             common.say(f"[{link}] containerd: ctr image pull + ctr run (overlayfs), cold node")
+            settle()
             try:
                 ctd = containerd_side(ns, registry, image, gz_ref, linkdir, procs)
             except BenchFailure as e:
@@ -474,6 +483,7 @@ def run_link(link: str, rate: str | None, image: Image, storage: Path, work: Pat
             for profiles, label in ((False, "shoal"), (True, "shoal+profile")):
                 common.say(f"[{link}] {label}: shoal pull + ctr run --snapshotter shoal, cold node"
                            + (" (the image's access profile published)" if profiles else ", no access profile"))
+                settle()
                 sh = sides[label] = shoal_side(ns, registry, image, shoal_ref, linkdir, procs, profiles)
                 if sh.error:
                     common.say(f"[{link}] {label} FAILED: {sh.error}")

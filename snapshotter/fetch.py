@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from builder.zstdchunked import Chunk, ChunkMemory, decode_chunk
+from cache.origin import MERGE_GAP
 from cache.source import BlobRef, FetchChain, Held
 from shoal.errors import ShoalError
 
@@ -275,12 +276,23 @@ class NodeChunkLoader:
             mine, batch, size = batch, [], 0
             if not mine:
                 return 0
-            mine.sort(key=lambda ic: ic[1].start)  # adjacent chunks share a request
-            try:
-                self._fetch(mine, {}, f"prefetch of {self.layer}", "prefetch")
-            except ShoalError:
-                return 0  # logged by _fetch; the reads will ask again
-            return len(mine)
+            # in blob order, so that neighbours share a range request; one request at a
+            # time, each span's chunks served (and their readers woken) as it arrives
+            mine.sort(key=lambda ic: ic[1].start)
+            spans: list[list[tuple[int, Chunk]]] = []
+            for ic in mine:
+                if spans and ic[1].start - spans[-1][-1][1].end <= MERGE_GAP:
+                    spans[-1].append(ic)
+                else:
+                    spans.append([ic])
+            fetched = 0
+            for span in spans:
+                try:
+                    self._fetch(span, {}, f"prefetch of {self.layer}", "prefetch")
+                    fetched += len(span)
+                except ShoalError:
+                    pass  # logged by _fetch; the reads will ask again
+            return fetched
 
         for c in chunks:
             if not c.digest or c.zeros or not self._claim_extra(c):

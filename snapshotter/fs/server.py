@@ -94,6 +94,9 @@ class LayerFS(pyfuse3.Operations):
         self._prefetch_pool: ThreadPoolExecutor | None = None
         self._waiting_prefetch: dict[str, list] = {}  # layer digest -> profile entries
         self.prefetch_queued = 0
+        self._prefetch_jobs = 0  # queued or running
+        self._prefetch_since = 0.0
+        self._prefetch_done = 0
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
             setattr(self, name, self._timed(name, getattr(self, name)))
 
@@ -210,17 +213,28 @@ class LayerFS(pyfuse3.Operations):
             return 0
         if self._prefetch_pool is None:
             self._prefetch_pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="shoal-prefetch")
+        with self._trace_lock:
+            if not self._prefetch_jobs:
+                self._prefetch_since, self._prefetch_done = time.monotonic(), 0
+            self._prefetch_jobs += len(jobs)
         for loader, chunks, _ in jobs:
             self._prefetch_pool.submit(self._prefetch_job, loader, chunks)
         self.prefetch_queued += queued
         return queued
 
-    @staticmethod
-    def _prefetch_job(loader, chunks) -> None:
+    def _prefetch_job(self, loader, chunks) -> None:
+        done = 0
         try:
-            loader.prefetch(chunks, PREFETCH_BATCH)
+            done = loader.prefetch(chunks, PREFETCH_BATCH)
         except Exception:  # noqa: BLE001 - a prefetch is an optimisation: the reads fetch what it misses
             log.exception("prefetch of %d chunks of %s failed", len(chunks), getattr(loader, "layer", "?"))
+        with self._trace_lock:
+            self._prefetch_jobs -= 1
+            self._prefetch_done += done
+            if self._prefetch_jobs:
+                return
+            seconds, fetched = time.monotonic() - self._prefetch_since, self._prefetch_done
+        log.info("prefetch done: %d chunks fetched in %.2fs (the others were here or on their way)", fetched, seconds)
 
     def unload(self, layer_id: str) -> bool:
         layer = self.layers.pop(layer_id, None)
