@@ -13,7 +13,8 @@ layer found under ROOT/layers, so a reboot restores the mounts too.
 Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks}.
 
 Access profile: the server notes every chunk that reads use, once, in the order of their
-first use, across layers (`profile` returns [[layer digest, start, end], ...]). `prefetch`
+first use, per layer and ordered across layers (`profile` returns [[layer digest, start,
+end], ...]; a layer's trace goes when it is unloaded). `prefetch`
 takes such a list and fetches those chunks in that order on a few threads of its own, in
 requests of several chunks, before the reads ask for them (prefetch/profile.py).
 Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import logging
 import os
@@ -50,7 +52,7 @@ log = logging.getLogger("shoal.fs")
 LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
 TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
 ROOT_TIMEOUT = 1.0  # the set of layers changes
-TRACE_LIMIT = 1_000_000  # chunks noted in the access profile
+TRACE_LIMIT = 250_000  # chunks of one layer noted in its access trace (a 30 GB layer has ~120,000)
 PREFETCH_THREADS = 2
 PREFETCH_FIRST = 1 << 20  # compressed bytes of the first prefetch job
 PREFETCH_BATCH = 16 << 20  # and of the later ones (each doubles the one before)
@@ -69,6 +71,7 @@ class Layer:
     read_bytes: int = 0
     errors: int = 0
     attrs: dict = field(default_factory=dict)  # inode -> EntryAttributes
+    traced: dict = field(default_factory=dict)  # chunk start -> (first-use sequence, end): the access trace
 
 
 def layer_dir(root: str, layer_id: str) -> str:
@@ -88,8 +91,7 @@ class LayerFS(pyfuse3.Operations):
         self.started = time.time()
         self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
-        self.trace: list[tuple[str, int, int]] = []  # (layer digest, start, end) by first use
-        self._traced: set[tuple[str, int]] = set()
+        self._trace_seq = itertools.count()  # orders first uses across layers
         self._trace_lock = threading.Lock()
         self._prefetch_pool: ThreadPoolExecutor | None = None
         self._waiting_prefetch: dict[str, list] = {}  # layer digest -> profile entries
@@ -148,7 +150,7 @@ class LayerFS(pyfuse3.Operations):
         if layer_id in self.layers:
             return self.layers[layer_id]
         layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time())
-        view.reader.on_read = lambda chunks, digest=blob.digest: self._note(digest, chunks)
+        view.reader.on_read = lambda chunks: self._note(layer, chunks)
         self._next_number += 1
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
@@ -158,26 +160,29 @@ class LayerFS(pyfuse3.Operations):
             log.info("prefetching %d chunks of layer %s", self.prefetch(waiting), blob.digest)
         return layer
 
-    def _note(self, digest: str, chunks) -> None:
-        """Add the chunks of a read to the access profile (first use only)."""
-        traced = self._traced
-        new = [c for c in chunks if (digest, c.start) not in traced and c.digest and not c.zeros]
-        if not new or len(self.trace) >= TRACE_LIMIT:
+    def _note(self, layer: Layer, chunks) -> None:
+        """Add the chunks of a read to the layer's access trace (first use only)."""
+        traced = layer.traced
+        if len(traced) >= TRACE_LIMIT:
+            return
+        new = [c for c in chunks if c.start not in traced and c.digest and not c.zeros]
+        if not new:
             return
         with self._trace_lock:
             for c in new:
-                key = (digest, c.start)
-                if key not in traced:
-                    traced.add(key)
-                    self.trace.append((digest, c.start, c.end))
+                if c.start not in traced:
+                    traced[c.start] = (next(self._trace_seq), c.end)
 
     def profile(self, digests=None) -> list[list]:
-        """The access profile so far: [[layer digest, start, end], ...] in first-use order
-        (only the layers named in `digests`, if given)."""
-        with self._trace_lock:
-            trace = list(self.trace)
+        """The access profile of the loaded layers (or of those named in `digests`):
+        [[layer digest, start, end], ...] in order of first use across them."""
         keep = set(digests) if digests else None
-        return [[d, a, b] for d, a, b in trace if keep is None or d in keep]
+        with self._trace_lock:
+            rows = [(seq, layer.blob.digest, start, end) for layer in self.layers.values()
+                    if keep is None or layer.blob.digest in keep
+                    for start, (seq, end) in layer.traced.items()]
+        rows.sort()
+        return [[d, a, b] for _, d, a, b in rows]
 
     def prefetch(self, entries) -> int:
         """Fetch the chunks of `entries` ([[layer digest, start, end], ...], an access
