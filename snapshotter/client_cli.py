@@ -30,6 +30,7 @@ def node_status(root: str) -> dict:
         status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s")}
         status["lazy_layers"] = reply.get("layers", [])
         status["data_path"] = reply.get("store", {})
+        status["prefetch"] = reply.get("prefetch", {})
     unpacked = os.path.join(root, "unpacked")
     if os.path.isdir(unpacked):
         status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
@@ -93,6 +94,10 @@ def format_status(s: dict) -> str:
             f" {ly.get('prefetched_chunks', 0)} by prefetch)  errors {ly['errors']}"
             f"  waited {ly.get('fetch_seconds', 0):.2f}s on sources, {ly.get('decode_seconds', 0):.2f}s decoding"
         )
+    pf = s.get("prefetch") or {}
+    if pf.get("queued_chunks"):
+        lines.append(f"  prefetch (access profiles): {pf['queued_chunks']} chunks queued,"
+                     f" {pf.get('jobs_pending', 0)} jobs pending, {pf.get('layers_waiting', 0)} layers not loaded yet")
     lines.append(f"  unpacked layers: {len(s['unpacked_layers'])}")
     for d in s["unpacked_layers"]:
         lines.append(f"    {d}")

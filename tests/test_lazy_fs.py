@@ -507,6 +507,12 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
 
         _wait_for(prefetched, "the profile's chunks to be prefetched")
         assert layers_b.prefetched_images == 1
+        status = subprocess.run([SHOAL, "status", "--root", str(tmp_path / "cold node"), "--json"],
+                                capture_output=True, text=True, check=True)
+        assert json.loads(status.stdout)["prefetch"]["queued_chunks"] == len(trace)
+        text = subprocess.run([SHOAL, "status", "--root", str(tmp_path / "cold node")],
+                              capture_output=True, text=True, check=True).stdout
+        assert f"prefetch (access profiles): {len(trace)} chunks queued" in text
         blobs = [ly["digest"] for ly in manifest["layers"]]
         before = [registry.count("GET", b) for b in blobs]
         assert read_all(mounts_b) == want
@@ -570,3 +576,29 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
         assert registry.count("GET", "shoal-profile")[0] == gets and layers.prefetched_images == 0
     finally:
         layers.fs.stop()
+
+
+def test_profile_commands_fail_in_one_line(image, node, tmp_path):
+    """`shoal profile`: nothing read yet, no layer fs, no profile published, no
+    destination: each a one-line error and its exit status."""
+    from tests.services import SHOAL
+
+    registry, ref, manifest, _ = image
+    layers, _ = node
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([SHOAL, "profile", *args], capture_output=True, text=True)
+
+    for args, status, words in [
+        (("save", ref, "--root", str(tmp_path / "none"), "--push"), 1, "no layer file system runs"),
+        (("save", ref, "--root", str(tmp_path / "node root")), 2, "--push"),
+        (("show", f"{registry.host}/lazy/img:gzip"), 1, "no access profile published"),
+        (("save", f"{registry.host}/lazy/nothing:here", "--push"), 1, "lazy/nothing"),
+    ]:
+        proc = run(*args)
+        assert proc.returncode == status, (args, proc.stderr)
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # a running layer fs that has read nothing of the image
+    layers.fs.ensure_running()
+    proc = run("save", ref, "--root", str(tmp_path / "node root"), "--push")
+    assert proc.returncode == 1 and "has read nothing" in proc.stderr, proc.stderr

@@ -194,12 +194,13 @@ class LayerFS(pyfuse3.Operations):
         by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
         jobs: list[list] = []
         queued = 0
+        waiting: dict[str, list] = {}
         for entry in entries:
             if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
                 continue
             layer = by_digest.get(entry[0])
             if layer is None:  # its turn comes when it is loaded
-                self._waiting_prefetch.setdefault(entry[0], []).append(entry)
+                waiting.setdefault(entry[0], []).append(entry)
                 continue
             chunks = layer.loader.chunks_at([entry[1:]]) if layer and hasattr(layer.loader, "chunks_at") else []
             if not chunks:
@@ -214,6 +215,7 @@ class LayerFS(pyfuse3.Operations):
             else:
                 jobs.append([layer.loader, [c], c.end - c.start])
             queued += 1
+        self._waiting_prefetch.update(waiting)  # a newer profile of a layer replaces an older one
         if not jobs:
             return 0
         if self._prefetch_pool is None:
@@ -269,7 +271,9 @@ class LayerFS(pyfuse3.Operations):
                 "decode_seconds": round(getattr(loader, "decode_seconds", 0.0), 3),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
-        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops}
+        prefetch = {"queued_chunks": self.prefetch_queued, "jobs_pending": self._prefetch_jobs,
+                    "layers_waiting": len(self._waiting_prefetch)}
+        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops, "prefetch": prefetch}
 
     # --- inode plumbing -------------------------------------------------------------------
 
