@@ -95,6 +95,32 @@ def test_lazy_image_starts_through_containerd_and_fetches_only_what_it_reads(reg
     assert "lazy layers: 3" in text.stdout and "chunk memory:" in text.stdout and "on sources" in text.stdout
 
 
+def test_a_published_access_profile_is_prefetched_by_a_cold_node(registry, images, node_and_containerd):
+    """Node 1 runs the image; `shoal profile save --push` publishes what it read. On a cold
+    node 2, `shoal pull` alone (its Prepares name the manifest) brings those chunks in,
+    and the same container then reads nothing from the registry."""
+    _, lazy, manifest = images
+    node, ctd = node_and_containerd
+    shoal_json("pull", lazy, "--address", ctd.address, "--namespace", "shoal-test")
+    out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-p1", *CMD).stdout
+    saved = shoal_json("profile", "save", lazy, "--root", str(node.root), "--push")
+    assert saved["chunks"] > 0
+    with shoal_node_with_containerd("shoal-e2e-cold-") as (cold, ctd2):
+        shoal_json("pull", lazy, "--address", ctd2.address, "--namespace", "shoal-test")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = shoal_json("status", "--root", str(cold.root))
+            if sum(ly["prefetched_chunks"] for ly in status["lazy_layers"]) == saved["chunks"]:
+                break
+            time.sleep(0.2)
+        assert sum(ly["prefetched_chunks"] for ly in status["lazy_layers"]) == saved["chunks"]
+        assert status["prefetch"]["queued_chunks"] == saved["chunks"]
+        mark = blob_bytes(registry, manifest)
+        out2 = ctd2.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-p2", *CMD).stdout
+        assert out2 == out
+        assert blob_bytes(registry, manifest) == mark
+
+
 def test_unconverted_layers_are_unpacked_by_the_node(registry, images, node_and_containerd):
     gz, _, _ = images
     node, ctd = node_and_containerd
