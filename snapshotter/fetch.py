@@ -168,6 +168,11 @@ class SingleFlight:
             fut.set_result(data)
 
 
+class Unfetched(ShoalError):
+    """A chunk that a read-ahead or a prefetch claimed could not be fetched: a read
+    waiting for it fetches it itself (and fails only if that fails too)."""
+
+
 READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
 READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
 READAHEAD_GAP = 64 << 10
@@ -305,7 +310,7 @@ class NodeChunkLoader:
         self.prefetched_chunks += done
         return done
 
-    def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]:
+    def load(self, chunks: Sequence[Chunk], what: str, retry: bool = True) -> list[bytes]:
         results: dict[int, bytes] = {}
         waiting: list[tuple[int, Future]] = []
         mine: list[tuple[int, Chunk]] = []
@@ -322,13 +327,21 @@ class NodeChunkLoader:
         if mine:
             extras = self._read_ahead(mine)
             self._fetch(mine + [(-1, c) for c in extras], results, what)
+        again: list[int] = []
         for i, fut in waiting:
             try:
                 results[i] = fut.result(timeout=600)
+            except Unfetched:
+                if not retry:
+                    raise
+                again.append(i)  # a read-ahead or prefetch failed: this read tries itself
             except ShoalError:
                 raise
             except Exception as e:  # noqa: BLE001 - a waiter reports the owner's failure
                 raise ShoalError(f"{what}: chunk {chunks[i].digest}: {e}") from None
+        if again:
+            for i, data in zip(again, self.load([chunks[i] for i in again], what, retry=False)):
+                results[i] = data
         return [results[i] for i in range(len(chunks))]
 
     def _known(self, c: Chunk) -> bytes | None:
@@ -356,8 +369,9 @@ class NodeChunkLoader:
             raws = self.chain.read_ranges(self.blob, ranges)
         except ShoalError as e:
             err = ShoalError(f"{what}: {len(mine)} chunks from {self.blob}: {e}")
-            for _, c in mine:
-                self.flight.resolve(c.digest or f"{self.blob.digest}@{c.start}", error=err)
+            for i, c in mine:
+                self.flight.resolve(c.digest or f"{self.blob.digest}@{c.start}",
+                                    error=err if i >= 0 else Unfetched(str(err)))
             log.error("%s", err)
             raise err from None
         t1 = time.perf_counter()
@@ -369,7 +383,7 @@ class NodeChunkLoader:
                 data = decode_chunk(c, raw, f"{what} in {self.layer}" if i >= 0 else f"{extra} in {self.layer}")
             except ShoalError as e:
                 log.error("%s (fetched from %s)", e, self.blob)
-                self.flight.resolve(key, error=e)
+                self.flight.resolve(key, error=e if i >= 0 else Unfetched(str(e)))
                 if i >= 0:
                     first_error = first_error or e
                 continue

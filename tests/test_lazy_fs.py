@@ -602,3 +602,60 @@ def test_profile_commands_fail_in_one_line(image, node, tmp_path):
     layers.fs.ensure_running()
     proc = run("save", ref, "--root", str(tmp_path / "node root"), "--push")
     assert proc.returncode == 1 and "has read nothing" in proc.stderr, proc.stderr
+
+
+def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp_path):
+    """A read that finds its chunk claimed by a read-ahead or prefetch waits for it; if
+    that speculative fetch fails, the read fetches the chunk itself (from the real
+    registry here) instead of failing. A failed fetch that a read asked for still fails
+    the reads that wait on it."""
+    import threading
+
+    from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
+    from builder.oci.refs import DockerRef
+    from builder.oci.registry import RegistrySource
+    from cache.source import BlobRef
+    from shoal.errors import ShoalError
+    from snapshotter.assemble import make_data_path
+    from snapshotter.fetch import Unfetched
+
+    registry, ref, manifest, _ = image
+    host, repo = ref.split("/", 1)
+    repo = repo.split(":", 1)[0]
+    desc = manifest["layers"][1]
+    loc = location_from_annotations(desc["annotations"])
+    src = RegistrySource(DockerRef(host, repo, digest=desc["digest"]), plain_http=True)
+    try:
+        toc = parse_toc(decompress_toc(src.read_range(desc["digest"], loc.toc.offset, loc.toc.end),
+                                       loc.toc_digest, loc.toc.uncompressed), desc["size"])
+    finally:
+        src.close()
+    chunks = [c for e in toc.files() for c in e.chunks if c.digest and not c.zeros][:2]
+    path = make_data_path(str(tmp_path / "node"), {})
+    try:
+        loader = path.loader(BlobRef(host, repo, desc["digest"], desc["size"], True), "layer under test")
+        flight = loader.flight
+        for error, survives in ((Unfetched("prefetch: registry gone"), True), (ShoalError("read: registry gone"), False)):
+            c = chunks[0] if survives else chunks[1]
+            fut, owner = flight.claim(c.digest)  # someone else's fetch of the chunk is on its way
+            assert owner
+            got: dict = {}
+            reader = threading.Thread(target=lambda: got.update(r=_try(lambda: loader.load([c], "read"))))
+            reader.start()
+            _wait_for(lambda: flight.waits > 0, "the read to wait for the chunk")
+            flight.resolve(c.digest, error=error)
+            reader.join(60)
+            if survives:
+                assert got["r"][0] is not None and len(got["r"][0][0]) == c.size
+            else:
+                assert isinstance(got["r"][1], ShoalError) and "registry gone" in str(got["r"][1])
+            flight.waits = 0
+    finally:
+        path.close(10.0)
+
+
+def _try(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return None, e
