@@ -21,19 +21,14 @@ DEFAULT_ROOT = "/var/lib/shoal"
 
 
 def _resolve(ref: str, plain_http: bool, platform: str | None):
-    """(DockerRef, manifest digest, layer digests) of an image in a registry."""
-    from builder.oci.refs import DockerRef, parse_reference
-    from builder.oci.registry import RegistrySource, is_loopback
-    from snapshotter.pull import _select_manifest, host_platform
+    """(DockerRef, plain HTTP?, manifest digest, layer digests) of an image in a registry."""
+    from builder.oci.registry import RegistrySource
+    from snapshotter.pull import image_ref, resolve_manifest
 
-    text = ref if ref.startswith("docker://") else f"docker://{ref}"
-    parsed = parse_reference(text)
-    if not isinstance(parsed, DockerRef):
-        raise UsageError(f"{ref}: want a registry reference (HOST/REPO:TAG)")
-    plain = plain_http or is_loopback(parsed.host)
+    _, parsed, plain = image_ref(ref, plain_http)
     src = RegistrySource(parsed, plain_http=plain)
     try:
-        manifest, _ = _select_manifest(src, src.get_root(), platform or host_platform(), ref)
+        _, manifest, _ = resolve_manifest(src, ref, platform)
     finally:
         src.close()
     doc = json.loads(manifest.data)

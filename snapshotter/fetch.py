@@ -176,7 +176,6 @@ class Unfetched(ShoalError):
 READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
 READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
 READAHEAD_GAP = 64 << 10
-PREFETCH_BATCH_BYTES = 4 << 20  # compressed bytes per prefetch request batch
 
 
 class NodeChunkLoader:
@@ -266,47 +265,27 @@ class NodeChunkLoader:
                 out.append(self._order[pos])
         return out
 
-    def prefetch(self, chunks: Sequence[Chunk], budget: int = PREFETCH_BATCH_BYTES) -> int:
-        """Fetch `chunks` that are neither here nor on their way, in their order, in
-        requests of up to `budget` compressed bytes, into memory and the store (the
-        same path as a read's fetch, so a read of a chunk being prefetched waits for
-        it instead of fetching it again). Returns how many it fetched. Failures are
-        logged and left for the reads to retry."""
+    def prefetch(self, chunks: Sequence[Chunk]) -> int:
+        """Fetch those of `chunks` that are neither here nor on their way, into memory and
+        the store, by the same path as a read's fetch (so a read of a chunk being
+        prefetched waits for it instead of fetching it again). They go in blob order,
+        one range request per span of neighbours, each span's chunks served as it
+        arrives. Returns how many it fetched; failures are logged and left to the reads."""
+        mine = sorted(((-1, c) for c in chunks if c.digest and not c.zeros and self._claim_extra(c)),
+                      key=lambda ic: ic[1].start)
+        spans: list[list[tuple[int, Chunk]]] = []
+        for ic in mine:
+            if spans and ic[1].start - spans[-1][-1][1].end <= MERGE_GAP:
+                spans[-1].append(ic)
+            else:
+                spans.append([ic])
         done = 0
-        batch: list[tuple[int, Chunk]] = []
-        size = 0
-
-        def flush() -> int:
-            nonlocal batch, size
-            mine, batch, size = batch, [], 0
-            if not mine:
-                return 0
-            # in blob order, so that neighbours share a range request; one request at a
-            # time, each span's chunks served (and their readers woken) as it arrives
-            mine.sort(key=lambda ic: ic[1].start)
-            spans: list[list[tuple[int, Chunk]]] = []
-            for ic in mine:
-                if spans and ic[1].start - spans[-1][-1][1].end <= MERGE_GAP:
-                    spans[-1].append(ic)
-                else:
-                    spans.append([ic])
-            fetched = 0
-            for span in spans:
-                try:
-                    self._fetch(span, {}, f"prefetch of {self.layer}", "prefetch")
-                    fetched += len(span)
-                except ShoalError:
-                    pass  # logged by _fetch; the reads will ask again
-            return fetched
-
-        for c in chunks:
-            if not c.digest or c.zeros or not self._claim_extra(c):
-                continue
-            batch.append((-1, c))
-            size += c.end - c.start
-            if size >= budget:
-                done += flush()
-        done += flush()
+        for span in spans:
+            try:
+                self._fetch(span, {}, f"prefetch of {self.layer}", "prefetch")
+                done += len(span)
+            except ShoalError:
+                pass  # logged by _fetch; the reads will ask again
         self.prefetched_chunks += done
         return done
 

@@ -249,22 +249,33 @@ def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: st
     raise UsageError(f"{ref}: no manifest for platform {platform}")
 
 
-def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", plain_http: bool = False,
-         snapshotter: str = "shoal", platform: str | None = None) -> dict:
-    """Pull ref into containerd with shoal-provided layers; returns a summary."""
+def image_ref(ref: str, plain_http: bool = False) -> tuple[str, DockerRef, bool]:
+    """(HOST/REPO[:TAG], the parsed reference, plain HTTP?) of a registry image reference
+    (docker:// optional; plain HTTP when asked or for a loopback registry)."""
     text = ref if ref.startswith("docker://") else f"docker://{ref}"
     parsed = parse_reference(text)
     if not isinstance(parsed, DockerRef):
-        raise UsageError(f"{ref}: shoal pull takes a registry reference (HOST/REPO:TAG)")
-    name = text.removeprefix("docker://")
-    plain = plain_http or is_loopback_host(parsed.host)
+        raise UsageError(f"{ref}: want a registry reference (HOST/REPO:TAG)")
+    return text.removeprefix("docker://"), parsed, plain_http or is_loopback_host(parsed.host)
+
+
+def resolve_manifest(src: RegistrySource, ref: str, platform: str | None = None) -> tuple[Manifest, Manifest, dict | None]:
+    """(root manifest or index, the platform's manifest, its index entry or None)."""
+    root = src.get_root()
+    manifest, index_entry = _select_manifest(src, root, platform or host_platform(), ref)
+    return root, manifest, index_entry
+
+
+def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", plain_http: bool = False,
+         snapshotter: str = "shoal", platform: str | None = None) -> dict:
+    """Pull ref into containerd with shoal-provided layers; returns a summary."""
+    name, parsed, plain = image_ref(ref, plain_http)
     platform = platform or host_platform()
     start = time.monotonic()
     src = RegistrySource(parsed, plain_http=plain)
     ctr = _Containerd(address, namespace)
     try:
-        root = src.get_root()
-        manifest, index_entry = _select_manifest(src, root, platform, ref)
+        root, manifest, index_entry = resolve_manifest(src, ref, platform)
         doc = json.loads(manifest.data)
         config_desc = doc["config"]
         with src.open_blob(check_digest(config_desc["digest"]), config_desc.get("size")) as s:

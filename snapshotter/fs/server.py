@@ -14,9 +14,9 @@ Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {
 
 Access profile: the server notes every chunk that reads use, once, in the order of their
 first use, per layer and ordered across layers (`profile` returns [[layer digest, start,
-end], ...]; a layer's trace goes when it is unloaded). `prefetch`
-takes such a list and fetches those chunks in that order on a few threads of its own, in
-requests of several chunks, before the reads ask for them (prefetch/profile.py).
+end], ...]; a layer's trace goes when it is unloaded). `prefetch` takes such a list (an
+image's published profile, builder/profile.py) and fetches those chunks in that order on
+threads of its own, several chunks per request, before the reads ask for them.
 Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
 then swarm/region/origin, verified); any failure is EIO plus a log line that names the
 layer, the file and the chunk. Metadata operations never touch the network.
@@ -92,7 +92,7 @@ class LayerFS(pyfuse3.Operations):
         self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
         self._trace_seq = itertools.count()  # orders first uses across layers
-        self._trace_lock = threading.Lock()
+        self._lock = threading.Lock()  # access traces and prefetch figures
         self._prefetch_pool: ThreadPoolExecutor | None = None
         self._waiting_prefetch: dict[str, list] = {}  # layer digest -> profile entries
         self.prefetch_queued = 0
@@ -168,7 +168,7 @@ class LayerFS(pyfuse3.Operations):
         new = [c for c in chunks if c.start not in traced and c.digest and not c.zeros]
         if not new:
             return
-        with self._trace_lock:
+        with self._lock:
             for c in new:
                 if c.start not in traced:
                     traced[c.start] = (next(self._trace_seq), c.end)
@@ -177,7 +177,7 @@ class LayerFS(pyfuse3.Operations):
         """The access profile of the loaded layers (or of those named in `digests`):
         [[layer digest, start, end], ...] in order of first use across them."""
         keep = set(digests) if digests else None
-        with self._trace_lock:
+        with self._lock:
             rows = [(seq, layer.blob.digest, start, end) for layer in self.layers.values()
                     if keep is None or layer.blob.digest in keep
                     for start, (seq, end) in layer.traced.items()]
@@ -187,9 +187,9 @@ class LayerFS(pyfuse3.Operations):
     def prefetch(self, entries) -> int:
         """Fetch the chunks of `entries` ([[layer digest, start, end], ...], an access
         profile) in that order, in jobs of one layer's chunks (PREFETCH_FIRST compressed
-        bytes, then twice as many each, up to PREFETCH_BATCH), on PREFETCH_THREADS threads. Entries of layers not loaded here, or that
-        are not chunks of their layer, are skipped. Entries of a layer not loaded yet wait
-        for it (the node sends the profile while containerd still prepares the image's
+        bytes, then twice as many each, up to PREFETCH_BATCH), on PREFETCH_THREADS
+        threads. Entries that are not chunks of their layer are skipped. Entries of a
+        layer not loaded yet wait for it (the node sends the profile while containerd still prepares the image's
         layers). Returns the number of chunks queued now."""
         by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
         jobs: list[list] = []
@@ -202,13 +202,14 @@ class LayerFS(pyfuse3.Operations):
             if layer is None:  # its turn comes when it is loaded
                 waiting.setdefault(entry[0], []).append(entry)
                 continue
-            chunks = layer.loader.chunks_at([entry[1:]]) if layer and hasattr(layer.loader, "chunks_at") else []
+            chunks_at = getattr(layer.loader, "chunks_at", None)
+            chunks = chunks_at([entry[1:]]) if chunks_at else []
             if not chunks:
                 continue
             c = chunks[0]
             # jobs grow from PREFETCH_FIRST to PREFETCH_BATCH: the first chunks come soon,
             # the rest in few requests (a job's chunks are fetched in blob order)
-            budget = min(PREFETCH_BATCH, PREFETCH_FIRST << len(jobs))
+            budget = min(PREFETCH_BATCH, PREFETCH_FIRST << max(len(jobs) - 1, 0))
             if jobs and jobs[-1][0] is layer.loader and jobs[-1][2] + c.end - c.start <= budget:
                 jobs[-1][1].append(c)
                 jobs[-1][2] += c.end - c.start
@@ -220,7 +221,7 @@ class LayerFS(pyfuse3.Operations):
             return 0
         if self._prefetch_pool is None:
             self._prefetch_pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="shoal-prefetch")
-        with self._trace_lock:
+        with self._lock:
             if not self._prefetch_jobs:
                 self._prefetch_since, self._prefetch_done = time.monotonic(), 0
             self._prefetch_jobs += len(jobs)
@@ -232,10 +233,10 @@ class LayerFS(pyfuse3.Operations):
     def _prefetch_job(self, loader, chunks) -> None:
         done = 0
         try:
-            done = loader.prefetch(chunks, PREFETCH_BATCH)
+            done = loader.prefetch(chunks)
         except Exception:  # noqa: BLE001 - a prefetch is an optimisation: the reads fetch what it misses
             log.exception("prefetch of %d chunks of %s failed", len(chunks), getattr(loader, "layer", "?"))
-        with self._trace_lock:
+        with self._lock:
             self._prefetch_jobs -= 1
             self._prefetch_done += done
             if self._prefetch_jobs:
