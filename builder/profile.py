@@ -29,10 +29,10 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from shoal import mediatypes as mt
 from builder.oci.base import Manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistryDestination, RegistrySource
+from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
 from shoal.errors import FormatError, NotFound
 
@@ -105,11 +105,6 @@ class Profile:
         return cls(manifest, chunks)
 
 
-def _image_layers(src: RegistrySource, manifest_digest: str) -> list[str]:
-    doc = json.loads(src.get_manifest(manifest_digest).data)
-    return [check_digest(d.get("digest")) for d in doc.get("layers") or [] if isinstance(d, dict)]
-
-
 def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,
                   layers: Iterable[str] | None = None) -> Profile | None:
     """The published profile of an image, or None if it has none. Raises ShoalError for
@@ -126,22 +121,16 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
             raise FormatError(f"{src.reference}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
         if blobs[0]["size"] > MAX_PROFILE_BYTES:
             raise FormatError(f"{src.reference}: profile of {blobs[0]['size']} bytes, more than {MAX_PROFILE_BYTES}")
-        with src.open_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"]) as f:  # verified by digest
-            data = f.read()
-            while f.read(65536):
-                pass
+        data = src.read_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"])  # verified by digest
         return Profile.from_json(data, manifest_digest, layers)
     finally:
         src.close()
 
 
-def push_profile(host: str, repository: str, profile: Profile, plain_http: bool = False) -> str:
-    """Publish `profile` next to its image; returns the reference it was pushed as."""
-    src = RegistrySource(DockerRef(host, repository), plain_http)
-    try:
-        layer_order = _image_layers(src, profile.manifest)
-    finally:
-        src.close()
+def push_profile(host: str, repository: str, profile: Profile, layer_order: Sequence[str],
+                 plain_http: bool = False) -> str:
+    """Publish `profile` next to its image, whose manifest lists `layer_order`; returns
+    the reference it was pushed as."""
     missing = set(profile.layers) - set(layer_order)
     if missing:
         raise FormatError(f"profile of {profile.manifest}: layer {sorted(missing)[0]} is not in the image")

@@ -76,7 +76,7 @@ def cmd_save(args: argparse.Namespace) -> int:
             f.write(profile.to_json(layers))
         where.append(args.out)
     if args.push:
-        where.append(push_profile(parsed.host, parsed.repository, profile, plain))
+        where.append(push_profile(parsed.host, parsed.repository, profile, layers, plain))
     _print(_summary(args.ref, profile, "saved to " + ", ".join(where)), args.json)
     return 0
 

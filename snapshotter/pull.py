@@ -278,10 +278,7 @@ def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", p
         root, manifest, index_entry = resolve_manifest(src, ref, platform)
         doc = json.loads(manifest.data)
         config_desc = doc["config"]
-        with src.open_blob(check_digest(config_desc["digest"]), config_desc.get("size")) as s:
-            config_bytes = s.read()
-            while s.read(65536):
-                pass
+        config_bytes = src.read_blob(check_digest(config_desc["digest"]), config_desc.get("size"))
         config = json.loads(config_bytes)
         diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
         layers = doc.get("layers") or []

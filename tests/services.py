@@ -444,3 +444,15 @@ def shoal_node_with_containerd(prefix: str = "shoal-"):
         FSClient(str(short / "root")).stop()
         unmount_under(short)
         shutil.rmtree(short, ignore_errors=True)
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.1):
+    """Poll `predicate` until it returns something true (returned), or fail the test
+    with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

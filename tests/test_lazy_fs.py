@@ -23,7 +23,7 @@ from shoal.errors import DigestMismatch
 from snapshotter import remote
 from snapshotter.remote import RemoteLayers
 from tests.rootfs import busybox_layer, delta_layer, python_layer, special_layer
-from tests.services import start_registry
+from tests.services import start_registry, wait_for
 
 pytestmark = [pytest.mark.registry]
 
@@ -410,23 +410,15 @@ def test_first_prepare_warms_the_image_s_other_layers(image, node):
     """The first prepare of an image's layer loads the TOCs of its other lazy layers in
     the background (containerd prepares them one after the other); their own prepares
     then fetch nothing more, and serve the same files."""
-    import time
-
     registry, ref, manifest, _ = image
     layers, _ = node
-    with open_source(f"docker://{ref}", plain_http=True) as src:
-        manifest_digest = "sha256:" + hashlib.sha256(src.get_root().data).hexdigest()
+    manifest_digest = _manifest_digest(ref)
     labels = [{**layer_labels(ref, ly), remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
               for ly in manifest["layers"]]
     layers.prepare("l0", "", labels[0])
     others = {ly["digest"][7:] for ly in manifest["layers"][1:]}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        loaded = {ly["id"] for ly in layers.fs.status()["layers"]}
-        if others <= loaded and layers.warmed_layers == len(others):
-            break
-        time.sleep(0.1)
-    assert others <= loaded and layers.warmed_layers == len(others)
+    wait_for(lambda: others <= {ly["id"] for ly in layers.fs.status()["layers"]}
+             and layers.warmed_layers == len(others), "the other layers to be warmed")
     before = [registry.count("GET", ly["digest"]) for ly in manifest["layers"][1:]]
     paths = [Path(layers.prepare(f"l{i}", "", labels[i]).path) for i in range(1, len(labels))]
     assert [registry.count("GET", ly["digest"]) for ly in manifest["layers"][1:]] == before
@@ -448,16 +440,6 @@ def _prepare_image(layers: RemoteLayers, ref: str, manifest: dict, manifest_dige
     return [Path(layers.prepare(f"p{i}", "", lab).path) for i, lab in enumerate(labels)]
 
 
-def _wait_for(predicate, what: str, timeout: float = 60.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_path):
@@ -505,7 +487,7 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
             status = layers_b.fs.status()["layers"]
             return sum(ly["prefetched_chunks"] for ly in status) == len(trace) and status
 
-        _wait_for(prefetched, "the profile's chunks to be prefetched")
+        wait_for(prefetched, "the profile's chunks to be prefetched")
         assert layers_b.prefetched_images == 1
         status = subprocess.run([SHOAL, "status", "--root", str(tmp_path / "cold node"), "--json"],
                                 capture_output=True, text=True, check=True)
@@ -542,10 +524,11 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
         return layers, _prepare_image(layers, ref, manifest, digest)
 
     # ranges that are no chunk of the layer: accepted by the format, skipped by the node
-    push_profile(host, repo, Profile(digest, [(top, 1, 2), (top, 3, 99)]), plain_http=True)
+    layer_digests = [ly["digest"] for ly in manifest["layers"]]
+    push_profile(host, repo, Profile(digest, [(top, 1, 2), (top, 3, 99)]), layer_digests, plain_http=True)
     layers, mounts = cold_node("skips")
     try:
-        _wait_for(lambda: layers.prefetched_images == 1, "the profile to be handed over")
+        wait_for(lambda: layers.prefetched_images == 1, "the profile to be handed over")
         assert sum(ly["prefetched_chunks"] for ly in layers.fs.status()["layers"]) == 0
         assert (mounts[1] / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
     finally:
@@ -556,11 +539,11 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
                                            "chunks": [[5, 0, 10]]}).encode()):
         push_profile_bytes(host, repo, digest, blob, plain_http=True)
         with pytest.raises(FormatError):
-            fetch_profile(host, repo, digest, True, [ly["digest"] for ly in manifest["layers"]])
+            fetch_profile(host, repo, digest, True, layer_digests)
     caplog.set_level(logging.WARNING, logger="shoal.remote")
     layers, mounts = cold_node("bad")
     try:
-        _wait_for(lambda: any("access profile" in r.getMessage() and ref in r.getMessage()
+        wait_for(lambda: any("access profile" in r.getMessage() and ref in r.getMessage()
                               for r in caplog.records), "a log line about the bad profile")
         assert layers.prefetched_images == 0
         assert (mounts[0] / "bin/busybox").stat().st_size > 0
@@ -568,7 +551,7 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
         layers.fs.stop()
 
     # switched off: the profile is not even fetched
-    push_profile(host, repo, Profile(digest, [(top, 1, 2)]), plain_http=True)
+    push_profile(host, repo, Profile(digest, [(top, 1, 2)]), layer_digests, plain_http=True)
     gets = registry.count("GET", "shoal-profile")[0]
     layers, _ = cold_node("off", {"prefetch_profiles": False})
     try:
@@ -611,9 +594,9 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
     the reads that wait on it."""
     import threading
 
-    from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
     from builder.oci.refs import DockerRef
     from builder.oci.registry import RegistrySource
+    from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
     from cache.source import BlobRef
     from shoal.errors import ShoalError
     from snapshotter.assemble import make_data_path
@@ -642,7 +625,7 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
             got: dict = {}
             reader = threading.Thread(target=lambda: got.update(r=_try(lambda: loader.load([c], "read"))))
             reader.start()
-            _wait_for(lambda: flight.waits > 0, "the read to wait for the chunk")
+            wait_for(lambda: flight.waits > 0, "the read to wait for the chunk")
             flight.resolve(c.digest, error=error)
             reader.join(60)
             if survives:

@@ -19,6 +19,7 @@ from tests.services import (
     SHOAL,
     NodeProcess,
     shoal_node_with_containerd,
+    wait_for,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,13 +108,11 @@ def test_a_published_access_profile_is_prefetched_by_a_cold_node(registry, image
     assert saved["chunks"] > 0
     with shoal_node_with_containerd("shoal-e2e-cold-") as (cold, ctd2):
         shoal_json("pull", lazy, "--address", ctd2.address, "--namespace", "shoal-test")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def prefetched():
             status = shoal_json("status", "--root", str(cold.root))
-            if sum(ly["prefetched_chunks"] for ly in status["lazy_layers"]) == saved["chunks"]:
-                break
-            time.sleep(0.2)
-        assert sum(ly["prefetched_chunks"] for ly in status["lazy_layers"]) == saved["chunks"]
+            return sum(ly["prefetched_chunks"] for ly in status["lazy_layers"]) == saved["chunks"] and status
+
+        status = wait_for(prefetched, "every chunk of the profile to be prefetched", interval=0.2)
         assert status["prefetch"]["queued_chunks"] == saved["chunks"]
         mark = blob_bytes(registry, manifest)
         out2 = ctd2.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-p2", *CMD).stdout

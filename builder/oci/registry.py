@@ -405,6 +405,14 @@ class RegistrySource(ImageSource):
             raise DigestMismatch(f"{what}: registry serves {length} bytes, want {size}")
         return VerifyingReader(_raw_reader(resp, what), digest, size, what, close_fn=resp.close)
 
+    def read_blob(self, digest: str, size: int | None = None) -> bytes:
+        """A (small) blob's bytes, read to its end so that the digest is checked."""
+        with self.open_blob(digest, size) as f:
+            data = f.read()
+            while f.read(65536):
+                pass
+        return data
+
     def read_range(self, digest: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a blob via an HTTP Range request.
 
