@@ -19,6 +19,13 @@ plain manifests and tags is needed):
 A profile is only a hint: its ranges are checked against each layer's TOC (a range that
 is not a chunk is skipped) and every chunk is verified by its digest as always. A bad or
 missing profile makes no difference to what a container reads, only to when.
+
+Anyone who can push to the image's repository can publish its profile, so a profile is
+bounded in what it can make a node do: at most MAX_PROFILE_BYTES of JSON and MAX_CHUNKS
+entries, each range named once (a repeated range is dropped), only the layers of the
+manifest it is bound to (its tag, its manifest annotation and its "manifest" field all
+name that digest), and a node fetches at most `[fetch] prefetch_max_bytes` of its ranges
+(`Profile.bounded`), the first ones in profile order.
 """
 
 from __future__ import annotations
@@ -96,13 +103,23 @@ class Profile:
         allowed = set(layers) if layers is not None else None
         if allowed is not None and not set(names) <= allowed:
             raise FormatError(f"{what}: names layers the image does not have")
-        chunks = []
+        chunks: dict[tuple[str, int, int], None] = {}  # ordered, each range once
         for e in entries:
             if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)
                     and 0 <= e[0] < len(names) and 0 <= e[1] < e[2]):
                 raise FormatError(f"{what}: bad chunk entry {str(e)[:80]}")
-            chunks.append((names[e[0]], e[1], e[2]))
-        return cls(manifest, chunks)
+            chunks[(names[e[0]], e[1], e[2])] = None
+        return cls(manifest, list(chunks))
+
+    def bounded(self, max_bytes: int) -> Profile:
+        """The longest prefix of the profile whose ranges add up to at most `max_bytes`
+        compressed bytes: what a node lets a profile make it fetch."""
+        total = 0
+        for i, (_, start, end) in enumerate(self.chunks):
+            total += end - start
+            if total > max_bytes:
+                return Profile(self.manifest, self.chunks[:i])
+        return self
 
 
 def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,
@@ -119,6 +136,9 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
         blobs = [d for d in doc.get("layers") or [] if isinstance(d, dict) and d.get("mediaType") == PROFILE_MEDIA_TYPE]
         if len(blobs) != 1 or not isinstance(blobs[0].get("size"), int):
             raise FormatError(f"{src.reference}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
+        bound = (doc.get("annotations") or {}).get(MANIFEST_ANNOTATION) if isinstance(doc, dict) else None
+        if bound != manifest_digest:
+            raise FormatError(f"{src.reference}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
         if blobs[0]["size"] > MAX_PROFILE_BYTES:
             raise FormatError(f"{src.reference}: profile of {blobs[0]['size']} bytes, more than {MAX_PROFILE_BYTES}")
         data = src.read_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"])  # verified by digest

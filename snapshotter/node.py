@@ -56,6 +56,7 @@ class FetchConfig:
     memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
     readahead_kb: int = 1024  # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
+    prefetch_max_bytes: int = 8 << 30  # compressed bytes one image's profile may make the node fetch (the first ones in its order)
 
 
 @dataclass

@@ -170,6 +170,13 @@ class RemoteLayers:
         if profile is None:
             log.info("%s: no access profile for %s", image, manifest_digest)
             return
+        limit = int(self.config.get("prefetch_max_bytes", 8 << 30))
+        bounded = profile.bounded(limit)
+        if bounded is not profile:
+            log.warning("%s: access profile of %s names %.1f MB, more than prefetch_max_bytes (%.1f MB): "
+                        "prefetching its first %d of %d chunks", image, manifest_digest, profile.compressed_bytes / 1e6,
+                        limit / 1e6, len(bounded.chunks), len(profile.chunks))
+            profile = bounded
         try:
             self.fs.ensure_running()
             queued = self.fs.call("prefetch", chunks=[list(c) for c in profile.chunks])["queued"]

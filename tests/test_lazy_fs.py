@@ -561,6 +561,62 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
         layers.fs.stop()
 
 
+def test_a_profile_is_bounded_and_bound_to_its_manifest(image, node, tmp_path, caplog):
+    """Anyone who can push to a repository can publish its profile, so a profile can make
+    a node fetch at most `[fetch] prefetch_max_bytes` (its first ranges), names each range
+    once, and is used only for the manifest its artifact is bound to."""
+    import logging
+
+    from builder.oci.refs import DockerRef
+    from builder.oci.registry import RegistryDestination, RegistrySource
+    from builder.profile import Profile, fetch_profile, profile_tag, push_profile
+    from shoal.errors import FormatError
+
+    registry, ref, manifest, _ = image
+    digest = _manifest_digest(ref)
+    host, repo = ref.split("/", 1)
+    repo = repo.split(":", 1)[0]
+    layer_digests = [ly["digest"] for ly in manifest["layers"]]
+    layers_a, _ = node
+    mounts_a = _prepare_image(layers_a, ref, manifest, digest)
+    (mounts_a[1] / "usr/bin/python3.11").read_bytes()
+    (mounts_a[0] / "bin/busybox").read_bytes()
+    trace = [tuple(c) for c in layers_a.fs.call("profile")["chunks"]]
+    assert len(trace) >= 4
+
+    # every range twice: published as it is, read back with each range once, in order
+    push_profile(host, repo, Profile(digest, trace + trace[::-1]), layer_digests, plain_http=True)
+    assert fetch_profile(host, repo, digest, True, layer_digests).chunks == trace
+
+    # a budget of half the ranges' bytes: the first ranges only, and a log line
+    half = len(trace) // 2
+    budget = sum(end - start for _, start, end in trace[:half])
+    caplog.set_level(logging.WARNING, logger="shoal.remote")
+    cold = RemoteLayers(str(tmp_path / "bounded"), {"prefetch_max_bytes": budget})
+    try:
+        _prepare_image(cold, ref, manifest, digest)
+        wait_for(lambda: cold.prefetched_images == 1, "the profile to be handed over")
+        wait_for(lambda: sum(ly["prefetched_chunks"] for ly in cold.fs.status()["layers"]) == half,
+                 "the first half of the profile to be prefetched")
+        assert cold.fs.status()["prefetch"]["queued_chunks"] == half
+        assert any("prefetch_max_bytes" in r.getMessage() and ref in r.getMessage() for r in caplog.records)
+    finally:
+        cold.fs.stop()
+
+    # another image's profile put under this image's profile tag is refused
+    other = "sha256:" + "ab" * 32
+    push_profile(host, repo, Profile(other, trace[:1]), layer_digests, plain_http=True)
+    src = RegistrySource(DockerRef(host, repo, tag=profile_tag(other)), True)
+    dest = RegistryDestination(DockerRef(host, repo, tag=profile_tag(digest)), True)
+    try:
+        dest.put_root(src.get_root())
+    finally:
+        src.close()
+        dest.close()
+    with pytest.raises(FormatError, match="bound to"):
+        fetch_profile(host, repo, digest, True, layer_digests)
+
+
 def test_profile_commands_fail_in_one_line(image, node, tmp_path):
     """`shoal profile`: nothing read yet, no layer fs, no profile published, no
     destination: each a one-line error and its exit status."""
