@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from builder.oci.base import Manifest
+from builder.oci.documents import load_document, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistryDestination, RegistrySource
 from shoal import mediatypes as mt
@@ -84,13 +85,8 @@ class Profile:
         """Parse and check a profile of the image `manifest` (whose layers, if given,
         must include every layer the profile names). Raises FormatError."""
         what = f"access profile of {manifest}"
-        if len(data) > MAX_PROFILE_BYTES:
-            raise FormatError(f"{what}: {len(data)} bytes, more than {MAX_PROFILE_BYTES}")
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FormatError(f"{what}: not JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("schemaVersion") != 1:
+        doc = load_document(data, what, MAX_PROFILE_BYTES)
+        if doc.get("schemaVersion") != 1:
             raise FormatError(f"{what}: not a version 1 profile")
         if doc.get("manifest") != manifest:
             raise FormatError(f"{what}: it describes {str(doc.get('manifest'))[:80]!r}")
@@ -132,16 +128,15 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
             art = src.get_root()
         except NotFound:
             return None
-        doc = json.loads(art.data)
-        blobs = [d for d in doc.get("layers") or [] if isinstance(d, dict) and d.get("mediaType") == PROFILE_MEDIA_TYPE]
-        if len(blobs) != 1 or not isinstance(blobs[0].get("size"), int):
-            raise FormatError(f"{src.reference}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
-        bound = (doc.get("annotations") or {}).get(MANIFEST_ANNOTATION) if isinstance(doc, dict) else None
+        what = str(src.reference)
+        doc = parse_manifest(art.data, what)
+        blobs = [d for d in doc.layers if d.media_type == PROFILE_MEDIA_TYPE]
+        if len(blobs) != 1:
+            raise FormatError(f"{what}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
+        bound = doc.annotations.get(MANIFEST_ANNOTATION)
         if bound != manifest_digest:
-            raise FormatError(f"{src.reference}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
-        if blobs[0]["size"] > MAX_PROFILE_BYTES:
-            raise FormatError(f"{src.reference}: profile of {blobs[0]['size']} bytes, more than {MAX_PROFILE_BYTES}")
-        data = src.read_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"])  # verified by digest
+            raise FormatError(f"{what}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
+        data = src.read_small_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
         return Profile.from_json(data, manifest_digest, layers)
     finally:
         src.close()

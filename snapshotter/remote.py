@@ -25,6 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from builder.convert import _Decompressing
+from builder.oci.documents import parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
 from builder.profile import fetch_profile
@@ -276,11 +277,10 @@ class RemoteLayers:
         """The layer descriptors of the manifest (fetched by digest, so verified)."""
         source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
         try:
-            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
+            data = source.get_manifest(check_digest(manifest_digest)).data
         finally:
             source.close()
-        layers = doc.get("layers") if isinstance(doc, dict) else None
-        return layers if isinstance(layers, list) else []
+        return [ly.raw for ly in parse_manifest(data, f"{blob.registry}/{blob.repository}@{manifest_digest}").layers]
 
     def _descriptor(self, blob: BlobRef, labels: dict[str, str]) -> dict:
         """The layer's descriptor: from shoal pull's labels, or the verified manifest."""
