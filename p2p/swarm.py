@@ -60,7 +60,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from urllib.parse import urlencode, urlparse
 
 import libtorrent as lt
@@ -69,6 +69,7 @@ from cache.source import BlobRef, FetchChain, Held, NotHere, Source
 from p2p.metainfo import TorrentMeta, slice_pieces
 from p2p.tracker.client import MetadataClient
 from p2p.tracker.peers import extent_key, jump_hash, rendezvous
+from shoal.config import build, host_port_check, limits, url_check
 from shoal.errors import ShoalError, TransportError
 
 log = logging.getLogger("shoal.swarm")
@@ -94,34 +95,28 @@ class SwarmConfig:
 
     enabled: bool = False  # the node turns the swarm on with swarm.enabled = true
     storage: str = ""  # torrent storage folder (the node sets <root>/swarm)
-    listen: str = "0.0.0.0:6881"  # libtorrent listen_interfaces (TCP)
+    listen: str = field(default="0.0.0.0:6881", metadata=limits(check=host_port_check))  # libtorrent listen_interfaces (TCP)
     advertise_ip: str = ""  # this node's address as peers see it; default: the route to the tracker
-    metadata_url: str = ""  # the region serving /p2p/v1/torrents; default: the node's region_url
-    tracker_url: str = ""  # announce here instead of the URL in the metadata
-    upload_rate_limit: int = 0  # applies to every peer, LAN included (peer class filter)
-    download_rate_limit: int = 0
-    connections_limit: int = 500
-    unchoke_slots: int = 64  # peers uploaded to at once
-    peer_wait: float = 1.0  # an on-demand read takes from the fallback what peers did not send by then
-    settle_wait: float = 0.5  # a first read of a blob waits this long at most to meet its peers
-    stall_timeout: float = 3.0  # bulk: without progress this long, fetch any piece nobody has
-    fallback_extent: int = 4 * MiB  # bulk: pieces fetched from the fallback per request
-    fallback_threads: int = 4
-    storage_capacity: int = 0  # bytes of torrent storage; 0: 25% of the free space at start
+    metadata_url: str = field(default="", metadata=limits(check=url_check()))  # the region serving /p2p/v1/torrents; default: the node's region_url
+    tracker_url: str = field(default="", metadata=limits(check=url_check()))  # announce here instead of the URL in the metadata
+    upload_rate_limit: int = field(default=0, metadata=limits(min=0, size=True))  # applies to every peer, LAN included (peer class filter)
+    download_rate_limit: int = field(default=0, metadata=limits(min=0, size=True))
+    connections_limit: int = field(default=500, metadata=limits(min=2, max=65535))
+    unchoke_slots: int = field(default=64, metadata=limits(min=1, max=65535))  # peers uploaded to at once
+    peer_wait: float = field(default=1.0, metadata=limits(min=0, max=600))  # an on-demand read takes from the fallback what peers did not send by then
+    settle_wait: float = field(default=0.5, metadata=limits(min=0, max=600))  # a first read of a blob waits this long at most to meet its peers
+    stall_timeout: float = field(default=3.0, metadata=limits(min=0.1, max=600))  # bulk: without progress this long, fetch any piece nobody has
+    fallback_extent: int = field(default=4 * MiB, metadata=limits(min=16 << 10, max=1 << 30, size=True))  # bulk: pieces fetched from the fallback per request
+    fallback_threads: int = field(default=4, metadata=limits(min=1, max=256))
+    storage_capacity: int = field(default=0, metadata=limits(min=0, size=True))  # bytes of torrent storage; 0: 25% of the free space at start
     verify_complete: bool = True  # check sha256 of a blob downloaded whole before seeding it
     ssrf_mitigation: bool = True  # libtorrent refuses loopback trackers not at /announce (tests turn it off)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> SwarmConfig:
-        data = dict(data or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ShoalError(f"unknown configuration key swarm.{unknown[0]} (known: {', '.join(sorted(known))})")
-        config = cls(**data)
-        if config.fallback_extent < 16 << 10 or config.peer_wait < 0 or config.fallback_threads < 1:
-            raise ShoalError("swarm: fallback_extent >= 16K, peer_wait >= 0, fallback_threads >= 1")
-        return config
+    def from_dict(cls, data: dict | None, warnings: list[str] | None = None) -> SwarmConfig:
+        """Checked by shoal.config (ConfigError naming swarm.KEY); unknown keys go to
+        `warnings`."""
+        return build(cls, dict(data or {}), "swarm", warnings)
 
 
 def session_settings(config: SwarmConfig) -> dict:

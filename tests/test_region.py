@@ -488,9 +488,9 @@ def test_shoal_region_usage_errors(tmp_path):
     r = run("--store", str(tmp_path))
     assert r.returncode == 2 and "origin" in r.stderr
     bad = tmp_path / "bad.toml"
-    bad.write_text("[disk]\ncapacty = 5\n")
+    bad.write_text("[disk]\ncapacity = -5\n")
     r = run("--origin", "http://127.0.0.1:1", "--config", str(bad))
-    assert r.returncode == 2 and "disk.capacty" in r.stderr
+    assert r.returncode == 2 and "disk.capacity = -5" in r.stderr
     r = run("--origin", "ftp://x", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
     assert r.returncode in (1, 2) and "origin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
