@@ -15,6 +15,7 @@ loader does not own can be passed through (`dict` fields) and checked by their o
 
 from __future__ import annotations
 
+import logging
 import math
 import tomllib
 import types
@@ -184,6 +185,23 @@ def build(cls: type, data: dict, where: str = "", warnings: list[str] | None = N
         meta = f.metadata.get("shoal.limits")
         if meta and f.name not in kwargs and f.default is not MISSING and f.default is not None:
             _typed(f.default, hints[f.name], meta, f"{where}.{f.name}" if where else f.name, warnings)
+    return obj
+
+
+def load(cls: type, path: str | Path | None, overrides: dict | None = None,
+         logger: logging.Logger | None = None) -> Any:
+    """`cls` from the defaults, the TOML file in `path` (if any) and the non-None
+    `overrides` (command-line flags win), every value checked; unknown keys are logged
+    as warnings. ConfigError names the file, the key, the value and what is allowed."""
+    data = read_toml(path) if path else {}
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    warnings: list[str] = []
+    try:
+        obj = build(cls, data, "", warnings)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+    for w in warnings:
+        (logger or logging.getLogger("shoal")).warning("%s: %s", path, w)
     return obj
 
 

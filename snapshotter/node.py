@@ -23,15 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.config import (
-    ConfigError,
-    build,
-    host_port_check,
-    limits,
-    read_toml,
-    split_host_port,
-    url_check,
-)
+from shoal.config import host_port_check, limits, load, split_host_port, url_check
 from shoal.errors import ShoalError
 from snapshotter.snapshotter import RemoteLayers
 
@@ -99,16 +91,7 @@ def load_config(path: str | Path | None) -> NodeConfig:
     """The configuration in `path` on top of the defaults (no path: the defaults).
     ConfigError (one line naming the file, key, value and what is allowed) for a bad
     value; unknown keys are logged as warnings."""
-    if path is None:
-        return NodeConfig()
-    warnings: list[str] = []
-    try:
-        config = build(NodeConfig, read_toml(path), "", warnings)
-    except ConfigError as e:
-        raise ConfigError(e if str(e).startswith(str(path)) else f"{path}: {e}") from None
-    for w in warnings:
-        log.warning("%s: %s", path, w)
-    return config
+    return load(NodeConfig, path, logger=log)
 
 
 # --- the daemon ----------------------------------------------------------------------------

@@ -39,15 +39,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.config import (
-    ConfigError,
-    build,
-    host_port_check,
-    limits,
-    read_toml,
-    split_host_port,
-    url_check,
-)
+from shoal.config import host_port_check, limits, load, split_host_port, url_check
 from shoal.errors import UsageError
 
 log = logging.getLogger("shoal.region")
@@ -121,15 +113,7 @@ class RegionConfig:
 def load_config(path: str | None = None, **overrides: object) -> RegionConfig:
     """Defaults, then the TOML file (if any), then non-None overrides (the flags); every
     value checked (shoal/config.py), unknown keys logged as warnings."""
-    data = read_toml(path) if path else {}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    warnings: list[str] = []
-    try:
-        config = build(RegionConfig, data, "", warnings)
-    except ConfigError as e:
-        raise ConfigError(f"config {path}: {e}" if path else str(e)) from None
-    for w in warnings:
-        log.warning("config %s: %s", path, w)
+    config = load(RegionConfig, path, overrides, log)
     if not config.origin:
         raise UsageError("an origin registry is required (--origin URL or origin = in the config)")
     return config
