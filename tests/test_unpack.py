@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from builder.oci.base import Manifest
 from builder.oci.fromdir import ImageConfig, build_image
@@ -416,3 +418,33 @@ def test_a_folder_unpacked_before_a_restart_is_reused_for_another_chain_only_aft
     assert second.path == first.path and second.info_labels[rm.LABEL_DIFF_ID] == sha256(tar)
     assert tree_state(Path(first.path)) == before
     assert module_registry.count("GET", desc["digest"])[0] == 2  # the unpack, and one hash after the restart
+
+
+# --- fuzzing: whatever the entries, refused with FormatError or unpacked inside the root --
+
+_parts = st.sampled_from(["a", "b", "d", "..", ".", "", ".wh.a", ".wh..", ".wh...", ".wh..wh..opq", ".wh.", "@"])
+_names = st.lists(_parts, min_size=1, max_size=4).map("/".join) | st.sampled_from(["./", "/", "/a", "./a/"])
+_entries = st.lists(st.builds(
+    E, name=_names, type=st.sampled_from(["reg", "dir", "symlink", "hardlink", "char", "fifo"]),
+    data=st.just(b"x"), linkname=_names | st.just("@SENTINEL") | st.just("../../@SENTINEL"),
+    mode=st.just(0o644), dev=st.sampled_from([(0, 0), (1, 3)])), max_size=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_entries)
+def test_any_entries_are_refused_or_stay_inside_the_root(tmp_path, entries):
+    sentinel = tmp_path / SENTINEL_NAME
+    if not sentinel.exists():
+        (sentinel / "a").mkdir(parents=True)
+        (sentinel / "a" / "b").write_bytes(b"do not touch\n")
+    before = tree_state(tmp_path)
+    root = Path(tempfile.mkdtemp(dir=tmp_path, prefix="layer-"))
+    named = [E(e.name.replace("@", "d"), e.type, e.data, e.linkname.replace("@SENTINEL", str(sentinel))
+               .replace("../../" + str(sentinel), "../../" + str(sentinel).lstrip("/")), e.mode, e.dev)
+             for e in entries]
+    try:
+        unpack(io.BytesIO(tar_of(named)), str(root), "img: layer L")
+    except FormatError as e:
+        assert str(e).startswith("img: layer L: ") and "\n" not in str(e)
+    shutil.rmtree(root)
+    assert tree_state(tmp_path) == before
