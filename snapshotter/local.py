@@ -44,6 +44,7 @@ from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     LABEL_LAYER_KIND,
     LABEL_SNAPSHOT_REF,
+    NODE_LABELS,
     AlreadyExists,
     FailedPrecondition,
     Info,
@@ -99,6 +100,17 @@ def disk_usage(path: str | Path) -> Usage:
         except FileNotFoundError:
             continue
     return Usage(size=size, inodes=len(seen))
+
+
+def chain_id_of(rec: Record) -> str:
+    """The chain id a committed snapshot stands for, from its record alone: a remote
+    layer is committed under its chain id (the target it was provided, and checked,
+    for); a layer containerd applied itself is committed by its unpacker under the
+    backend name NAMESPACE/SEQ/CHAINID (metadata/snapshot.go createKey), after
+    containerd checked its diff_id. (A snapshot committed under another name, a
+    container's, yields a name no layer's chain id is made from: a remote layer on top
+    of it fails its check instead of being taken for some other chain.)"""
+    return rec.key if rec.remote else rec.key.split("/", 2)[-1]
 
 
 class LocalSnapshotter:
@@ -323,21 +335,23 @@ class LocalSnapshotter:
         the Prepare should go on as an ordinary one."""
         with self._target_lock(target):
             with self._db.read() as tx:
-                tx.check_new(Kind.ACTIVE, key, parent)
+                parent_rec = tx.check_new(Kind.ACTIVE, key, parent)
                 existing = tx.find(target)
+            parent_chain = chain_id_of(parent_rec) if parent_rec is not None else ""
             if existing is not None:
                 if (existing.kind == Kind.COMMITTED and existing.parent == parent
                         and existing.labels.get(LABEL_SNAPSHOT_REF) == target):
                     raise AlreadyExists(f"target snapshot {target!r} already exists")
                 return
-            layer = self._remote.prepare(target, parent, dict(labels))
+            asked = {k: v for k, v in labels.items() if k not in NODE_LABELS}
+            layer = self._remote.prepare(target, parent_chain, dict(asked))
             if layer is None:
                 return
             try:
                 check_mountable_path(layer.path, "remote layer path")
                 if layer.kind not in LAYER_KINDS:
                     raise ShoalError(f"remote layer {target}: unknown kind {layer.kind!r} (expected lazy or unpacked)")
-                recorded = {**labels, **layer.info_labels, LABEL_LAYER_KIND: layer.kind}
+                recorded = {**asked, **layer.info_labels, LABEL_LAYER_KIND: layer.kind}
                 with self._db.write() as tx:
                     tx.create_committed(target, parent, recorded, layer.usage or Usage(), layer.path, layer.kind)
             except BaseException:

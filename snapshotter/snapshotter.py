@@ -66,6 +66,13 @@ from shoal.errors import ShoalError
 # Labels with a meaning in the protocol.
 LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
 LABEL_LAYER_KIND = "shoal.io/layer-kind"  # "lazy" | "unpacked" on remote-provided layers
+# What a remote layer is proven to hold, set on its committed snapshot by RemoteLayers
+# alone: the same names in a Prepare's labels (which an image's layer annotations can
+# set, through containerd's unpacker) are dropped. diff-id: the layer's diff_id; proof:
+# "proven" (its bytes were hashed to that diff_id), "pending" or "bad" (lazy layers).
+LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
+LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
+NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
 
 
 class Kind(enum.IntEnum):
@@ -154,9 +161,12 @@ class RemoteLayers(Protocol):
     holds no lock meanwhile.
     """
 
-    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> RemoteLayer | None:
+    def prepare(self, target: str, parent_chain: str, labels: dict[str, str]) -> RemoteLayer | None:
         """Called on Prepare when the labels carry `containerd.io/snapshot.ref` (= target,
-        the layer's chain id; `parent` is the committed parent's name, "" for the base).
+        the chain id the layer is to be committed as: a claim, made from the image's
+        config). `parent_chain` is the chain id of the committed parent as the
+        snapshotter's own records know it ("" for the base layer), never a label: a
+        provider that can hash the layer checks chain_id(parent_chain, diff_id) == target.
 
         Return None when this is not a layer it can provide: the Prepare goes on as an
         ordinary one and containerd unpacks the layer. Return a RemoteLayer to have the
