@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 from builder.convert import _Decompressing
-from builder.oci.documents import parse_manifest
+from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
 from builder.profile import fetch_profile
@@ -414,12 +414,11 @@ class RemoteLayers:
             return None
         source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
         try:
-            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
-            config = doc["config"]
-            diff_ids = json.loads(source.read_blob(check_digest(config["digest"]), config.get("size")))["rootfs"][
-                "diff_ids"]
-            return next((d for d in diff_ids if isinstance(d, str) and chain_id(parent_chain, d) == target), None)
-        except (ShoalError, OSError, ValueError, KeyError, TypeError):
+            man = parse_manifest(source.get_manifest(check_digest(manifest_digest)).data, str(blob))
+            config = source.read_small_blob(man.config.digest, man.config.size, f"{blob}: config")
+            diff_ids = parse_config(config, str(blob)).diff_ids
+            return next((d for d in diff_ids if chain_id(parent_chain, d) == target), None)
+        except (ShoalError, OSError):
             return None
         finally:
             source.close()
