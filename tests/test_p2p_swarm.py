@@ -289,6 +289,40 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     assert f["bytes_from_region"] > 0, f
 
 
+def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes):
+    """(3b) The region's stored copy of the layer rots after the region filled it: a
+    node reading the layer's files through FUSE takes the pieces no peer has from its
+    swarm's fallback; the region's fail their SHA-1, so they come from the origin. Every
+    file is right, the region is counted (`shoal status`) and logged once; told by the
+    node, the region checks its copy and drops it."""
+    image, files = world.image({"a.bin": 8 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    [stored] = [p for p in (world.workdir / "region").rglob(digest[7:]) if p.is_file()]
+    with open(stored, "r+b") as fh:  # every fourth piece gets one inverted byte
+        for p in range(0, size // PIECE, 4):
+            fh.seek(p * PIECE + 500)
+            byte = fh.read(1)
+            fh.seek(p * PIECE + 500)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    origin_before = world.origin_bytes(digest)
+    [a] = nodes(1)
+    [mount] = _provide(world, [a], image)
+    assert _read(mount, files) == files
+    f = a.status()["fetch"]
+    assert f["verify_failures"]["region"] >= 1, f
+    assert f["verify_failures"].get("origin", 0) == 0, f
+    assert world.origin_bytes(digest) - origin_before >= PIECE  # the bad pieces, from the origin
+    lines = [line for line in a.log(1 << 20).splitlines() if "failed verification" in line and digest in line]
+    assert len(lines) == 1 and "from region" in lines[0] and "SHA-1" in lines[0], lines
+    deadline = time.monotonic() + 30
+    while not world.region.status(world.lab)["region"]["store_verify_failures"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert world.region.status(world.lab)["region"]["store_verify_failures"] >= 1, "the region kept its bad copy"
+    # dropped, or already filled again from the origin by a later request: never the bad copy
+    assert not stored.exists() or "sha256:" + _sha256_file(stored) == digest
+
+
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
 def test_aria2_downloads_from_the_swarm(world, nodes):
     """(4) A stock BitTorrent client, with only the metadata the region publishes, gets

@@ -28,6 +28,8 @@ import requests
 from builder.inspect import read_toc
 from builder.oci.refs import open_source
 from cache.region import backends
+from shoal.metrics import parse as parse_metrics
+from snapshotter.client_cli import node_metrics
 from snapshotter.remote import RemoteLayers
 from tests.services import wait_for
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
@@ -212,6 +214,8 @@ def test_a_corrupt_region_copy_is_read_from_the_origin_and_dropped(backend, regi
     assert fetch["bytes_from_origin"] > 0 and fetch["bytes_from_region"] > 0, fetch
     assert st["data_path"]["sources"]["region"]["verify_failures"] == fetch["verify_failures"]["region"]
     assert "verify failures" in status_text(node)
+    metrics = parse_metrics(node_metrics(st))  # what the node's /metrics serves
+    assert metrics['shoal_node_fetch_verify_failures_total{source="region"}'] == fetch["verify_failures"]["region"]
     lines = [line for line in fs_log(node) if "region" in line and digest in line and "failed verification" in line]
     assert len(lines) == 1, lines  # once per (source, layer), however many chunks
     assert "chunk at" in lines[0] and "data/a.bin" in lines[0], lines[0]

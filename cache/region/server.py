@@ -581,13 +581,13 @@ class RegionCache:
         if self._generation.get(digest, 0) != generation or digest in self._fills:
             return
         self._proven.pop(digest, None)
-        self.stats["store_verify_failures"] += 1
         log.error("%s: the stored copy in the %s backend %s; dropping it (the next request fetches it from "
                   "the origin)", digest, self.backend.name, why)
         try:
             await self._run(self.backend.delete, digest)
         except BackendError as exc:
             log.error("%s: cannot drop the bad stored copy: %s", digest, exc)
+        self.stats["store_verify_failures"] += 1  # counted once it is gone (tests wait for it)
 
     async def _check_report(self, request: web.Request) -> web.Response:
         """`POST /-/check/<digest>`: a client's bytes from here failed their check."""
