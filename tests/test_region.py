@@ -30,7 +30,7 @@ from cache.region.client import RegionSource
 from cache.region.config import AuthConfig, RegionConfig
 from cache.region.server import parse_range, start_server
 from cache.source import BlobRef, FetchChain, NotHere
-from tests.services import free_port, stop_process, wait_for
+from tests.services import free_port, stop_process
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -322,6 +322,8 @@ def test_a_corrupt_stored_copy_is_dropped_and_fetched_again(registry, region_fac
     the bad copy is cut short (never a complete bad body), a range answer makes the
     region check the copy in the background; either way the copy is dropped, and the
     next request is filled from the origin: good bytes, and a good copy in the backend."""
+    from tests.services import wait_for
+
     data = random.Random(12).randbytes(3 << 20)
     digest = push_blob(registry, "lib/rot", data, tmp_path)
     root = tmp_path / "rot-store"
