@@ -271,7 +271,8 @@ def test_a_node_killed_mid_transfer(world, nodes):
 def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     """(3) Node 1's torrent storage is corrupted after it completed the blob: node 2,
     reading the layer's files through FUSE, detects the bad pieces (hash check), bans
-    node 1 and takes the data from the region; every file is right."""
+    node 1 and takes the data from the region; every file is right, the bad pieces and
+    the ban are counted (`shoal status`) and logged."""
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
@@ -287,6 +288,9 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     assert f["hash_failures"] >= 1, f
     assert f["peers_banned"] >= 1, f
     assert f["bytes_from_region"] > 0, f
+    assert not any(f["verify_failures"].values()), f  # libtorrent dropped the bad pieces: no source sent any
+    log = b.log(1 << 20)
+    assert "failed its hash check" in log and "banned peer" in log
 
 
 def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes):
