@@ -687,6 +687,17 @@ class Swarm:
         t = self._torrents.get(blob.digest)
         return "" if t is None else ("complete" if t.complete else "partial")
 
+    def drop(self, blob: BlobRef, why: str) -> None:
+        """Remove the blob's torrent and its storage (not waited for): bytes read from it
+        failed their check, so its file is damaged; a later read adds it again."""
+        def remove() -> None:
+            t = self._torrents.get(blob.digest)
+            if t is not None:
+                log.error("%s: %s; dropping the torrent and its storage", blob.digest, why)
+                self._remove(t, why)
+
+        self._call(remove)
+
     # --- the on-demand plan (owner thread) ------------------------------------------------
 
     def _plan(self, t: _Torrent, pieces: list[int]):
@@ -1006,6 +1017,10 @@ class SwarmSource(Source):
             raise
         except (FutureTimeout, RuntimeError, OSError, ValueError) as exc:  # libtorrent failing, a bad range
             raise TransportError(f"swarm: {blob.digest}: {type(exc).__name__}: {exc}") from None
+
+    def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
+        # every piece it returns passed a SHA-1 check when it came in: its storage rotted
+        self.swarm.drop(blob, f"bytes read from its storage failed their check ({len(ranges)} ranges)")
 
     def close(self) -> None:
         self.swarm.close()

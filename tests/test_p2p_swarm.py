@@ -272,12 +272,13 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     """(3) Node 1's torrent storage is corrupted after it completed the blob: node 2,
     reading the layer's files through FUSE, detects the bad pieces (hash check), bans
     node 1 and takes the data from the region; every file is right, the bad pieces and
-    the ban are counted (`shoal status`) and logged."""
+    the ban are counted (`shoal status`) and logged. Node 1's own reads of its damaged
+    storage fail their chunk digests and come from the region."""
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
     a, b = nodes(2)
-    _, mount_b = _provide(world, [a, b], image)
+    mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
         for p in range(1, size // PIECE, 4):
@@ -291,6 +292,12 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     assert not any(f["verify_failures"].values()), f  # libtorrent dropped the bad pieces: no source sent any
     log = b.log(1 << 20)
     assert "failed its hash check" in log and "banned peer" in log
+    # node 1 itself reads its damaged storage: the chunks fail their digest, come from
+    # the region, and the torrent is dropped
+    assert _read(mount_a, files) == files
+    f = a.status()["fetch"]
+    assert f["verify_failures"]["swarm"] >= 1 and f["bytes_from_region"] > 0, f
+    assert any("dropping the torrent" in line and digest in line for line in a.log(1 << 20).splitlines())
 
 
 def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes):
