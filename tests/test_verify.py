@@ -279,3 +279,37 @@ def test_an_origin_answering_wrong_ranges(registry, image, region_factory, nodes
         assert stored(region, digest) == good
     finally:
         proxy.stop()
+
+
+def test_a_lazy_start_through_containerd_survives_a_corrupt_region_copy(registry, region_factory,  # noqa: F811
+                                                                         tmp_path):
+    """The issue's reproduction: `shoal pull` and `ctr run` of a lazy image on a node whose
+    region holds corrupt copies of every layer (it used to fail with `exec /bin/cat:
+    input/output error`): the container runs on the origin's bytes."""
+    from tests.fixtures_services import containerd_missing
+    from tests.rootfs import busybox_layer
+    from tests.services import CTR_NAMESPACE, SHOAL, shoal_node_with_containerd
+
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    layer_root = busybox_layer(tmp_path / "l1")
+    ref, layer = publish_tree(registry.host, "verify/run", layer_root, tmp_path)
+    region = region_factory(registry)
+    fill(region, ref, layer)
+    good = stored(region, layer["digest"])
+    bad = bytearray(good)
+    for i in range(0, len(bad), 2048):  # every chunk of the layer
+        bad[i] ^= 0xFF
+    replace_stored(region, layer["digest"], bytes(bad), None)
+    with shoal_node_with_containerd("shoal-verify-", f'[fetch]\nregion_url = "{region.url}"\n') as (node, ctd):
+        pulled = subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", CTR_NAMESPACE,
+                                 "--json"], capture_output=True, text=True, check=False)
+        assert pulled.returncode == 0, pulled.stderr
+        assert [ly["kind"] for ly in json.loads(pulled.stdout)["layers"]] == ["lazy"]
+        out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, "verify-1", "/bin/cat", "/etc/motd", check=False)
+        assert out.returncode == 0 and out.stdout == "hello from a shoal test image\n", out.stderr
+        st = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], capture_output=True, text=True,
+                            check=True)
+        fetch = json.loads(st.stdout)["fetch"]
+        assert fetch["verify_failures"]["region"] >= 1 and fetch["bytes_from_origin"] > 0, fetch
