@@ -302,7 +302,8 @@ def test_a_lazy_start_through_containerd_survives_a_corrupt_region_copy(registry
     for i in range(0, len(bad), 2048):  # every chunk of the layer
         bad[i] ^= 0xFF
     replace_stored(region, layer["digest"], bytes(bad), None)
-    with shoal_node_with_containerd("shoal-verify-", f'[fetch]\nregion_url = "{region.url}"\n') as (node, ctd):
+    config = f'[fetch]\nregion_url = "{region.url}"\n'
+    with shoal_node_with_containerd("shoal-verify-", node_config=config) as (node, ctd):
         pulled = subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", CTR_NAMESPACE,
                                  "--json"], capture_output=True, text=True, check=False)
         assert pulled.returncode == 0, pulled.stderr
