@@ -65,7 +65,7 @@ from urllib.parse import urlencode, urlparse
 
 import libtorrent as lt
 
-from cache.source import BlobRef, FetchChain, Held, NotHere, Source
+from cache.source import BlobRef, FetchChain, Held, NotHere, RangesFailed, Source
 from p2p.metainfo import TorrentMeta, slice_pieces
 from p2p.tracker.client import MetadataClient
 from p2p.tracker.peers import extent_key, jump_hash, rendezvous
@@ -682,6 +682,17 @@ class Swarm:
         t = self._torrents.get(blob.digest)
         return "" if t is None else ("complete" if t.complete else "partial")
 
+    def drop(self, blob: BlobRef, why: str) -> None:
+        """Remove the blob's torrent and its storage (not waited for): bytes read from it
+        failed their check, so its file is damaged; a later read adds it again."""
+        def remove() -> None:
+            t = self._torrents.get(blob.digest)
+            if t is not None:
+                log.error("%s: %s; dropping the torrent and its storage", blob.digest, why)
+                self._remove(t, why)
+
+        self._call(remove)
+
     # --- the on-demand plan (owner thread) ------------------------------------------------
 
     def _plan(self, t: _Torrent, pieces: list[int]):
@@ -737,29 +748,37 @@ class Swarm:
             else:
                 spans.append([p, p + 1])
         ranges = [(t.meta.piece_span(a)[0], t.meta.piece_span(b - 1)[1]) for a, b in spans]
-        datas = self.fallback.read_ranges(t.blob, ranges)
-        out: dict[int, bytes] = {}
-        good: list[tuple[int, bytes]] = []
-        for (a, b), data in zip(spans, datas):
+
+        def check(k: int, data: bytes) -> dict[int, bytes]:
+            """The span's pieces, each matching its SHA-1 in the torrent (else ShoalError:
+            the chain asks the next source for the span)."""
+            a, b = spans[k]
             base = t.meta.piece_span(a)[0]
+            pieces = {}
             for p in range(a, b):
                 s, e = t.meta.piece_span(p)
-                piece = data[s - base:e - base]
-                out[p] = piece
-                if hashlib.sha1(piece).digest() == t.meta.piece_hash(p):
-                    good.append((p, piece))
-                else:
+                pieces[p] = piece = data[s - base:e - base]
+                if hashlib.sha1(piece).digest() != t.meta.piece_hash(p):
                     self._count(fallback_hash_mismatches=1)
-                    log.error("%s: piece %d from the fallback does not match the torrent; not shared",
-                              t.blob.digest, p)
-        if good or keep_inflight:
-            bad = [p for p in out if p not in {g for g, _ in good}] if keep_inflight else []
-            self._call(lambda: self._add_pieces(t, good, bad))
-        self._count(pieces_from_fallback=len(out), bytes_from_fallback=sum(map(len, out.values())))
+                    raise TransportError(f"{t.blob.digest}: piece {p} ([{s}, {e})) does not match the torrent's SHA-1")
+            return pieces
+
+        out: dict[int, bytes] = {}
+        try:
+            for span in self.fallback.read_ranges(t.blob, ranges, check):
+                out.update(span)
+        except RangesFailed as exc:  # the spans that passed still join the torrent
+            for span in exc.served.values():
+                out.update(span)
+            raise
+        finally:
+            if out:
+                good = list(out.items())
+                self._call(lambda: self._add_pieces(t, good))
+                self._count(pieces_from_fallback=len(out), bytes_from_fallback=sum(map(len, out.values())))
         return out
 
-    def _add_pieces(self, t: _Torrent, pieces: list[tuple[int, bytes]], not_added: list[int] = ()) -> None:
-        t.inflight.difference_update(not_added)
+    def _add_pieces(self, t: _Torrent, pieces: list[tuple[int, bytes]]) -> None:
         if self._torrents.get(t.blob.digest) is not t:
             return
         for p, data in pieces:
@@ -993,6 +1012,10 @@ class SwarmSource(Source):
             raise
         except (FutureTimeout, RuntimeError, OSError, ValueError) as exc:  # libtorrent failing, a bad range
             raise TransportError(f"swarm: {blob.digest}: {type(exc).__name__}: {exc}") from None
+
+    def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
+        # every piece it returns passed a SHA-1 check when it came in: its storage rotted
+        self.swarm.drop(blob, f"bytes read from its storage failed their check ({len(ranges)} ranges)")
 
     def close(self) -> None:
         self.swarm.close()

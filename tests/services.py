@@ -421,17 +421,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def shoal_node_with_containerd(prefix: str = "shoal-"):
+def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = ""):
     """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
     (deploy/containerd/config.toml), in a short private directory (unix socket paths are
-    short). Yields (node, containerd); stops both, the layer file system server and every
-    mount under the directory, then removes it — also on failure."""
+    short); `node_config`: the node's TOML, if any. Yields (node, containerd); stops both, the
+    layer file system server and every mount under the directory, then removes it — also
+    on failure."""
     from snapshotter.fs.client import FSClient
 
     short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     node = ctd = None
     try:
-        node = NodeProcess(short / "root", short / "s.sock", short / "node.log")
+        extra: tuple[str, ...] = ()
+        if node_config:
+            (short / "node.toml").write_text(node_config)
+            extra = ("--config", str(short / "node.toml"))
+        node = NodeProcess(short / "root", short / "s.sock", short / "node.log", extra)
         snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
             "/run/shoal/snapshotter.sock", str(short / "s.sock"))
         ctd = start_containerd(short / "ctd", extra_config=snippet)

@@ -73,16 +73,22 @@ def node(tmp_path):
     assert not os.path.ismount(layers.fs.mnt)
 
 
-def prepare_tree(layers: RemoteLayers, host: str, repo: str, root: Path, workdir: Path) -> tuple[Path, dict]:
-    """Build an image of the folder `root` at the registry `host`, convert it, and
-    prepare its layer on the node: (the layer's mount, its descriptor)."""
+def publish_tree(host: str, repo: str, root: Path, workdir: Path) -> tuple[str, dict]:
+    """Build a one-layer image of the folder `root` at the registry `host` and convert
+    it: (the converted image's reference, its layer's descriptor)."""
     src = f"docker://{host}/{repo}:gzip"
     build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(workdir))
     dst = f"docker://{host}/{repo}:chunked"
     convert(src, dst, plain_http=True)
     with open_source(dst, plain_http=True) as s:
         layer = json.loads(s.get_root().data)["layers"][0]
-    return Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path), layer
+    return dst.removeprefix("docker://"), layer
+
+
+def prepare_tree(layers: RemoteLayers, host: str, repo: str, root: Path, workdir: Path) -> tuple[Path, dict]:
+    """publish_tree, and the layer prepared on the node: (the layer's mount, its descriptor)."""
+    ref, layer = publish_tree(host, repo, root, workdir)
+    return Path(layers.prepare("t", "", layer_labels(ref, layer)).path), layer
 
 
 def reference_rootfs(registry, image: str, manifest: dict, target: Path) -> None:

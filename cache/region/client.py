@@ -10,11 +10,15 @@
   connection failure the region is skipped (NotHere at once) for `down_for` seconds.
 - TransportError for everything else (401/403, 416, 5xx, a cut or short body, a read
   timeout): the region should have served and did not; the chain moves on.
+- report_bad(): bytes from the region failed the node's check; the region is asked
+  (`POST /-/check/<digest>`, from a thread of its own, never waited for) to hash its
+  stored copy again and drop it if it is bad.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import re
 import threading
 import time
@@ -30,6 +34,8 @@ from cache.source import BlobRef, NotHere, Source
 from shoal.errors import ShoalError, TransportError
 
 _CREDENTIALS_TTL = 60.0
+
+log = logging.getLogger("shoal.fetch")
 
 
 class RegionSource(Source):
@@ -89,6 +95,19 @@ class RegionSource(Source):
         spans = merge_ranges(ranges)
         datas = [self._read_span(blob, a, b) for a, b in spans]
         return slice_spans(spans, datas, ranges)
+
+    def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
+        url = f"{self.url}/-/check/{blob.digest}"
+
+        def send() -> None:
+            with requests.Session() as session:
+                session.trust_env = False
+                try:
+                    session.post(url, timeout=self._timeouts)
+                except requests.RequestException as exc:
+                    log.debug("region %s: cannot report %s: %s", self.url, blob, exc)
+
+        threading.Thread(target=send, name="region-report", daemon=True).start()
 
     def _read_span(self, blob: BlobRef, start: int, end: int) -> bytes:
         what = f"region {self.url}: {blob} bytes {start}-{end - 1}"

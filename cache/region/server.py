@@ -20,7 +20,17 @@ Blob requests, in order:
    digest)). So a cached private blob is served only to a client that the origin would
    have served, and never under a repository it does not belong to. When the origin
    cannot be asked and nothing is remembered, the answer is 503 (fail closed).
-2. Hit: the backend has the blob; it is streamed from there.
+2. Hit: the backend has the blob; it is streamed from there. A stored copy is proven
+   once per process: at the fill that committed it, else at its first use after a
+   (re)start. A whole-blob answer from an unproven copy is hashed as it goes out and
+   its last block is held back until the hash matches (a bad copy is a cut response,
+   never a complete bad body); a range answer from an unproven copy is served at once
+   (the node verifies every chunk and asks the origin when it fails) while the whole
+   copy is hashed in the background (`region-check` threads). A copy that fails is
+   deleted from the backend (counted as store_verify_failures, logged), so the next
+   request fills it again from the origin. `POST /-/check/<digest>` (a node whose
+   bytes from here failed their check) hashes the stored copy again, at most once per
+   RECHECK_EVERY seconds per blob; the answer is 202 whatever the outcome.
 3. Miss: one fill per digest fetches the whole blob from the origin (with the first
    client's credentials) into a staging file while every client of that blob, however
    many, reads its range from the staging file as the bytes arrive (coalescing). The
@@ -63,6 +73,8 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _NAME_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _MAX_REMEMBERED = 100_000
+RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
+_CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
@@ -247,10 +259,20 @@ class RegionCache:
         self._fills: dict[str, Fill] = {}
         self._commits = 0  # fills committed so far
         self._fill_tasks: set[asyncio.Task] = set()
+        # stored copies: proven in this process (digest -> True), checks running, the
+        # generation of each digest's copy (a commit replaces it: a check of the old
+        # copy must not drop the new one), when a node last reported each
+        self._proven: dict[str, bool] = {}
+        self._checks: dict[str, asyncio.Task] = {}
+        self._generation: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
+        self._check_pool = ThreadPoolExecutor(max_workers=_CHECK_THREADS, thread_name_prefix="region-check")
+        self._closing = False
         self.stats: dict[str, int] = dict.fromkeys((
             "requests", "hits", "misses", "coalesced", "fills", "fills_committed", "fills_failed",
             "origin_bytes", "bytes_served", "auth_checks", "auth_cache_hits", "auth_coalesced",
             "denied", "not_found", "errors", "aborted", "proxied",
+            "store_checks", "store_verify_failures", "store_check_reports",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.swarm = None  # the swarm service (p2p/tracker/server.py SwarmService) when mounted
@@ -263,6 +285,7 @@ class RegionCache:
         app.router.add_route("GET", "/-/status", self._status)
         app.router.add_route("GET", "/-/healthy", self._healthy)
         app.router.add_route("GET", "/-/metrics", self._metrics)
+        app.router.add_route("POST", "/-/check/{digest}", self._check_report)
         app.router.add_route("*", r"/v2/{name:.+}/blobs/{digest:[^/]+}", self._blob)
         app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
         app.on_startup.append(self._on_startup)
@@ -298,10 +321,12 @@ class RegionCache:
         await self.upstream.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        self._closing = True  # stops the hashing of running checks
         for task in list(self._fill_tasks):
             task.cancel()
         if self._fill_tasks:
             await asyncio.gather(*self._fill_tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._check_pool.shutdown)
         await self.upstream.close()
         await self._run(self.backend.close)
         self._pool.shutdown(wait=True)
@@ -454,6 +479,7 @@ class RegionCache:
 
     async def _serve_stored(self, request: web.Request, digest: str, note: dict) -> web.StreamResponse | None:
         """The response for a blob in the backend, or None if it is not there."""
+        generation = self._generation.get(digest, 0)
         opened = await self._run(self._open_stored, digest, request.headers.get("Range"), request.method == "HEAD")
         if opened is None:
             return None
@@ -462,26 +488,121 @@ class RegionCache:
         if stream is None:  # HEAD
             return web.Response(status=200, headers=_blob_headers(digest, size))
         start, end = span or (0, size)
+        hasher = None
+        if not self._proven.get(digest):
+            if span is None:  # the whole unproven copy: hashed on the way out (module doc, 2)
+                hasher = hashlib.sha256()
+            else:
+                self._check_stored(digest)
         resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(digest, size, span))
         resp.content_length = end - start
         try:
             await resp.prepare(request)
             while data is not None:
-                await resp.write(data)
-                note["bytes"] += len(data)
-                self.stats["bytes_served"] += len(data)
                 try:
-                    data = await self._run(next, stream, None)
+                    following = await self._run(_hash_and_next, stream, hasher, data)
                 except BackendError as exc:
                     log.warning("%s: %s; cutting the response to %s", digest, exc, request.remote)
                     self.stats["aborted"] += 1
                     _abort(request)
                     return resp
+                if following is None and hasher is not None:  # `data` is the last block
+                    got = "sha256:" + hasher.hexdigest()
+                    if got != digest:
+                        await self._drop_stored(digest, generation, f"hashes to {got}")
+                        self.stats["aborted"] += 1
+                        _abort(request)
+                        return resp
+                    self._prove(digest)
+                await resp.write(data)
+                note["bytes"] += len(data)
+                self.stats["bytes_served"] += len(data)
+                data = following
             await resp.write_eof()
         finally:
             if note["bytes"] < end - start:  # not exhausted (an exhausted stream closed itself)
                 await self._run(stream.close)
         return resp
+
+    # --- proving stored copies (module doc, 2) ---------------------------------------------
+
+    def _check_stored(self, digest: str, force: bool = False) -> None:
+        """Hash the stored copy of `digest` in the background, unless it is proven (or
+        `force`) or a check is running; a copy that fails is dropped."""
+        if digest in self._checks or (self._proven.get(digest) and not force) or self._closing:
+            return
+        self._proven.pop(digest, None)
+        task = asyncio.ensure_future(self._run_check(digest, self._generation.get(digest, 0)))
+        self._checks[digest] = task
+        self._fill_tasks.add(task)  # cancelled at cleanup, as fills are
+        task.add_done_callback(lambda _: self._checks.pop(digest, None))
+        task.add_done_callback(self._fill_tasks.discard)
+
+    async def _run_check(self, digest: str, generation: int) -> None:
+        self.stats["store_checks"] += 1
+        loop = asyncio.get_running_loop()
+        try:
+            got = await loop.run_in_executor(self._check_pool, self._hash_stored, digest)
+        except BackendError as exc:
+            log.warning("%s: cannot check the stored copy: %s", digest, exc)
+            return
+        if got is None:
+            return  # gone (evicted, dropped) or the server is stopping
+        if got == digest:
+            if self._generation.get(digest, 0) == generation:
+                self._prove(digest)
+            return
+        await self._drop_stored(digest, generation, f"hashes to {got}")
+
+    def _prove(self, digest: str) -> None:
+        if len(self._proven) >= _MAX_REMEMBERED:
+            self._proven.clear()  # forgotten copies are hashed again at their next use
+        self._proven[digest] = True
+
+    def _hash_stored(self, digest: str) -> str | None:
+        """In a check thread: the digest of the stored copy; None if it is not there."""
+        hasher = hashlib.sha256()
+        try:
+            stream = self.backend.stream(digest, 0, None, self._block)
+        except BlobNotFound:
+            return None
+        try:
+            for data in stream:
+                if self._closing:
+                    return None
+                hasher.update(data)
+        finally:
+            stream.close()
+        return "sha256:" + hasher.hexdigest()
+
+    async def _drop_stored(self, digest: str, generation: int, why: str) -> None:
+        """The stored copy of `generation` is bad: delete it (unless a fill has replaced
+        it meanwhile), so the next request fetches the blob from the origin again."""
+        if self._generation.get(digest, 0) != generation or digest in self._fills:
+            return
+        self._proven.pop(digest, None)
+        log.error("%s: the stored copy in the %s backend %s; dropping it (the next request fetches it from "
+                  "the origin)", digest, self.backend.name, why)
+        try:
+            await self._run(self.backend.delete, digest)
+        except BackendError as exc:
+            log.error("%s: cannot drop the bad stored copy: %s", digest, exc)
+        self.stats["store_verify_failures"] += 1  # counted once it is gone (tests wait for it)
+
+    async def _check_report(self, request: web.Request) -> web.Response:
+        """`POST /-/check/<digest>`: a client's bytes from here failed their check."""
+        digest = request.match_info["digest"]
+        if not is_digest(digest):
+            raise web.HTTPBadRequest(text=f"invalid digest {digest[:100]!r}\n")
+        now = time.monotonic()
+        if now - self._reported.get(digest, -RECHECK_EVERY) >= RECHECK_EVERY:
+            if len(self._reported) >= _MAX_REMEMBERED:
+                self._reported = {d: t for d, t in self._reported.items() if now - t < RECHECK_EVERY}
+            self._reported[digest] = now
+            self.stats["store_check_reports"] += 1
+            log.warning("%s reports bad bytes of %s from this cache; checking the stored copy", request.remote, digest)
+            self._check_stored(digest, force=True)
+        return web.Response(status=202, text="checking\n")
 
     def _start_fill(self, name: str, digest: str, authorization: str | None) -> Fill:
         fill = Fill(digest=digest, repo=name, path=self.backend.temp_path())
@@ -541,6 +662,8 @@ class RegionCache:
             except BackendError as exc:
                 log.warning("%s: not cached: %s", digest, exc)
             if committed:
+                self._generation[digest] = self._generation.get(digest, 0) + 1
+                self._prove(digest)  # the bytes just hashed are the stored copy
                 self._commits += 1
                 self.stats["fills_committed"] += 1
                 log.info("cached %s@%s (%d bytes) from the origin", name, digest, fill.size)
@@ -659,6 +782,8 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
         ("shoal_region_fills_total", c, "Fills by outcome.",
          [({"result": "committed"}, stats["fills_committed"]), ({"result": "failed"}, stats["fills_failed"])]),
         ("shoal_region_errors_total", c, "Blob requests answered 5xx.", stats["errors"]),
+        ("shoal_region_store_verify_failures_total", c, "Stored copies that failed their digest and were dropped.",
+         stats["store_verify_failures"]),
         ("shoal_region_stored_bytes", g, "Bytes in the backend.", backend.get("size_bytes")),
         ("shoal_region_capacity_bytes", g, "The backend's capacity.", backend.get("capacity_bytes")),
         ("shoal_region_stored_blobs", g, "Blobs in the backend.", backend.get("blobs")),
@@ -711,6 +836,13 @@ def _write_at(fd: int, data: bytes, offset: int, hasher) -> None:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
     hasher.update(data)
+
+
+def _hash_and_next(stream, hasher, data: bytes) -> bytes | None:
+    """In a worker thread: hash `data` (when hashing) and read the stream's next block."""
+    if hasher is not None:
+        hasher.update(data)
+    return next(stream, None)
 
 
 def _abort(request: web.Request) -> None:
