@@ -22,10 +22,12 @@ import pytest
 from builder.convert import convert
 from builder.oci.fromdir import ImageConfig, build_image
 from snapshotter.fs.client import FSClient
+from snapshotter.install import containerd_minor
 from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer
 from tests.services import (
+    CONTAINERD_BIN,
     REPO,
     SHOAL,
     NodeProcess,
@@ -120,6 +122,27 @@ def test_node_unit_keeps_the_layer_fs_and_containers_alive():
     assert values(service, "StateDirectoryMode") == ["0700"]
 
 
+def test_node_unit_waits_for_the_socket(tmp_path):
+    """ExecStartPost (after which systemd starts containerd) returns once the socket is
+    there: run as systemd would, on a socket of the test's own."""
+    import socket as socketlib
+
+    [post] = values(unit_entries(SYSTEMD / "shoal-node.service")["Service"], "ExecStartPost")
+    sock = tmp_path / "s.sock"
+    argv = shlex.split(post.replace(DEFAULT_SOCKET, str(sock)))
+    with socketlib.socket(socketlib.AF_UNIX) as listener:
+        listener.bind(str(sock))
+        listener.listen()
+        assert subprocess.run(argv, check=False, timeout=30).returncode == 0
+    sock.unlink()
+    waiting = subprocess.Popen(argv)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=1)  # no socket yet: still waiting
+    finally:
+        stop_process(waiting)
+
+
 def test_region_unit_runs_unprivileged():
     service = unit_entries(SYSTEMD / "shoal-region.service")["Service"]
     assert values(service, "Restart") == ["always"]
@@ -195,6 +218,7 @@ def contains(big: object, small: object) -> bool:
     return big == small
 
 
+@pytest.mark.containerd
 def test_install_merges_restarts_once_and_uninstalls_to_the_original(module_registry, lazy_image, workdir):
     node = ctd = None
     try:
@@ -215,7 +239,10 @@ def test_install_merges_restarts_once_and_uninstalls_to_the_original(module_regi
         node = NodeProcess(workdir / "root", sock, workdir / "node.log")
         proc = install(config, sock, restart, "--json")
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["changed"] is True
+        result = json.loads(proc.stdout)
+        assert result["changed"] is True and result["restarted"] is True
+        if containerd_minor(CONTAINERD_BIN) < (1, 7):
+            assert "ignores the runtime handler's snapshotter" in result["note"]
         assert restarts.read_text() == "restart\n"
         ctd.restart()
 
@@ -230,6 +257,20 @@ def test_install_merges_restarts_once_and_uninstalls_to_the_original(module_regi
                                             "options": {"SystemdCgroup": False, "BinaryName": "/usr/sbin/runc"}}
         seen = snapshotters(ctd)
         assert seen["shoal"] == "ok" and seen["other"] == "ok"
+        # containerd reads the file as intended (its own parse: `containerd config dump`,
+        # which shows the CRI plugin's settings only when the plugin is enabled)
+        with_cri = workdir / "with-cri.toml"
+        with_cri.write_text(re.sub(r"(?m)^disabled_plugins = .*$", "", text))
+        dumped = tomllib.loads(subprocess.run([CONTAINERD_BIN, "--config", str(with_cri), "config", "dump"],
+                                              check=True, capture_output=True, text=True).stdout)
+        assert dumped["proxy_plugins"]["shoal"]["address"] == str(sock)
+        cri = dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+        assert cri["disable_snapshot_annotations"] is False and cri["snapshotter"] == "overlayfs"
+        assert cri["runtimes"]["shoal"]["runtime_type"] == "io.containerd.runc.v2"
+        if containerd_minor(CONTAINERD_BIN) < (1, 7):  # 1.6 has no per-runtime snapshotter: it drops the key
+            assert "snapshotter" not in cri["runtimes"]["shoal"]
+        else:
+            assert cri["runtimes"]["shoal"]["snapshotter"] == "shoal"
 
         # a lazy pull and run through the plugin the installer configured
         pulled = json.loads(shoal("pull", lazy_image, "--address", ctd.address, "--namespace", "shoal-test",
@@ -262,6 +303,7 @@ def test_install_merges_restarts_once_and_uninstalls_to_the_original(module_regi
             node.stop()
 
 
+@pytest.mark.containerd  # root and FUSE: a real shoal node answers on the socket
 def test_uninstall_after_an_edit_keeps_the_edit(workdir):
     """Someone changed the file after the install: uninstall takes out only shoal's
     entries (each key back to what it was) and keeps their change."""
@@ -303,6 +345,7 @@ def doctor(node, config: Path, *extra: str) -> tuple[int, dict]:
     return proc.returncode, {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
 
 
+@pytest.mark.containerd
 def test_doctor_on_a_healthy_node_and_on_broken_ones(tmp_path):
     reason = containerd_missing()
     if reason:
@@ -351,6 +394,28 @@ def test_doctor_on_a_healthy_node_and_on_broken_ones(tmp_path):
         assert checks["containerd config"]["status"] == "ok"
 
 
+def test_doctor_checks_the_cri_settings(tmp_path):
+    """With the CRI plugin on: snapshot annotations off is a failure (no lazy layers),
+    no runtime handler a warning, what `shoal install` writes is ok."""
+    from snapshotter.doctor import check_containerd_config
+    from snapshotter.install import Options, merged
+
+    sock = str(tmp_path / "s.sock")
+    config = tmp_path / "config.toml"
+    config.write_text(f'version = 2\n[proxy_plugins.shoal]\ntype = "snapshot"\naddress = "{sock}"\n')
+    checks = {c.name: c for c in check_containerd_config(str(config), sock, "shoal")[0]}
+    assert checks["containerd config"].status == "ok" and checks["containerd CRI"].status == "FAIL"
+    config.write_text(config.read_text() + '[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                      "disable_snapshot_annotations = false\n")
+    checks = {c.name: c for c in check_containerd_config(str(config), sock, "shoal")[0]}
+    assert checks["containerd CRI"].status == "warn" and "no pod uses shoal" in checks["containerd CRI"].detail
+    config.write_text(merged(config.read_text(), Options(socket=sock))[0])
+    checks = {c.name: c for c in check_containerd_config(str(config), sock, "shoal")[0]}
+    assert [c.status for c in checks.values()] == ["ok", "ok"]
+    checks = {c.name: c for c in check_containerd_config(str(config), str(tmp_path / "other.sock"), "shoal")[0]}
+    assert checks["containerd config"].status == "FAIL" and "shoal's socket is" in checks["containerd config"].detail
+
+
 # --- health endpoints ------------------------------------------------------------------------
 
 
@@ -363,6 +428,7 @@ def http_get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.mark.containerd  # root and FUSE
 def test_node_healthz_and_readyz(workdir):
     port = free_port()
     config = workdir / "node.toml"
