@@ -32,6 +32,8 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -70,6 +72,18 @@ class Options:
     @property
     def state(self) -> Path:
         return self.config.with_name(self.config.name + ".shoal.json")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """One install or uninstall in this file's directory at a time (a DaemonSet's
+        container and an operator's shell): an flock on the directory, no file left."""
+        self.config.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.config.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
 
 # --- the configuration edit (no I/O) -----------------------------------------------------
@@ -319,7 +333,8 @@ def cmd_install(args: argparse.Namespace) -> int:
         restart_command=shlex.split(args.restart_command), wait_socket=args.wait,
         default_snapshotter=args.default_snapshotter,
     )
-    result = uninstall(opts) if args.uninstall else install(opts)
+    with opts.locked():
+        result = uninstall(opts) if args.uninstall else install(opts)
     if not args.uninstall:
         version = containerd_minor()
         if version is not None and version < (1, 7) and not opts.default_snapshotter:

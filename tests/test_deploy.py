@@ -320,6 +320,13 @@ def test_uninstall_after_an_edit_keeps_the_edit(workdir):
         want = tomllib.loads(before)
         want["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["default_runtime_name"] = "crun"
         assert tomllib.loads(config.read_text()) == want
+
+        # no configuration at all: the install writes one, the uninstall removes it
+        fresh = workdir / "fresh" / "config.toml"
+        assert install(fresh, node.socket, "").returncode == 0
+        assert tomllib.loads(fresh.read_text())["proxy_plugins"]["shoal"]["address"] == str(node.socket)
+        assert shoal("install", "containerd", "--config", str(fresh), "--uninstall", "--restart-command", "").returncode == 0
+        assert list(fresh.parent.iterdir()) == []
     finally:
         node.stop()
 
@@ -532,7 +539,9 @@ def test_node_daemonset_wiring(tmp_path):
     from snapshotter.install import DEFAULT_HANDLER
     from snapshotter.node import load_config
 
-    spec = find("DaemonSet", "shoal-node")["spec"]["template"]["spec"]
+    ds = find("DaemonSet", "shoal-node")["spec"]
+    assert ds["updateStrategy"]["type"] == "OnDelete"  # an update must not end running containers' layer fs
+    spec = ds["template"]["spec"]
     node, installer = spec["containers"]
     assert node["securityContext"]["privileged"] is True and spec["hostPID"] is True
     volumes = {v["name"]: v for v in spec["volumes"]}
