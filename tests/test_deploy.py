@@ -304,9 +304,10 @@ def test_install_merges_restarts_once_and_uninstalls_to_the_original(module_regi
 
 
 @pytest.mark.containerd  # root and FUSE: a real shoal node answers on the socket
-def test_uninstall_after_an_edit_keeps_the_edit(workdir):
-    """Someone changed the file after the install: uninstall takes out only shoal's
-    entries (each key back to what it was) and keeps their change."""
+def test_install_and_uninstall_from_other_starting_points(workdir):
+    """A file someone edited after the install (uninstall takes out only shoal's entries,
+    each key back to what it was, and keeps their change); `containerd config default`;
+    no file at all."""
     node = NodeProcess(workdir / "root", workdir / "s.sock", workdir / "node.log")
     try:
         config = workdir / "config.toml"
@@ -320,6 +321,21 @@ def test_uninstall_after_an_edit_keeps_the_edit(workdir):
         want = tomllib.loads(before)
         want["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["default_runtime_name"] = "crun"
         assert tomllib.loads(config.read_text()) == want
+
+        # the file most nodes start from: `containerd config default`, as containerd reads it back
+        default = workdir / "default.toml"
+        default.write_bytes(subprocess.run([CONTAINERD_BIN, "config", "default"], check=True,
+                                           capture_output=True).stdout)
+        original = default.read_bytes()
+        assert install(default, node.socket, "").returncode == 0
+        dumped = tomllib.loads(subprocess.run([CONTAINERD_BIN, "--config", str(default), "config", "dump"],
+                                              check=True, capture_output=True, text=True).stdout)
+        cri = dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+        assert cri["disable_snapshot_annotations"] is False and cri["snapshotter"] == "overlayfs"
+        assert cri["runtimes"]["shoal"]["options"] == cri["runtimes"]["runc"]["options"]
+        assert dumped["proxy_plugins"]["shoal"] == {"type": "snapshot", "address": str(node.socket)}
+        assert shoal("install", "containerd", "--config", str(default), "--uninstall", "--restart-command", "").returncode == 0
+        assert default.read_bytes() == original
 
         # no configuration at all: the install writes one, the uninstall removes it
         fresh = workdir / "fresh" / "config.toml"
