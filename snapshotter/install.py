@@ -97,7 +97,7 @@ def _table(container, key: str):
         container[key] = tomlkit.table(is_super_table=True)
     value = container[key]
     if not isinstance(value, dict):
-        raise ShoalError(f"{key} is a {type(value).__name__}, expected a table")
+        raise ShoalError(f"{key} is not a table (containerd expects one)")
     return value
 
 
@@ -126,9 +126,16 @@ def _parse(text: str, where: str):
 def merged(text: str, opts: Options, where: str = "config") -> tuple[str, dict]:
     """The configuration `text` with shoal installed, and the prior values of the keys it
     set that were there before (MISSING for those that were not)."""
+    doc = _parse(text, where)
+    try:
+        return _merge(doc, opts)
+    except ShoalError as e:
+        raise ShoalError(f"{where}: {e}") from None
+
+
+def _merge(doc, opts: Options) -> tuple[str, dict]:
     import tomlkit
 
-    doc = _parse(text, where)
     prior: dict = {}
     proxy = _table(doc, "proxy_plugins")
     prior["proxy_plugin"] = proxy[PLUGIN].unwrap() if PLUGIN in proxy else MISSING
@@ -236,6 +243,13 @@ def _restart(opts: Options) -> None:
         )
 
 
+def _text(data: bytes, path: Path) -> str:
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise ShoalError(f"{path}: not UTF-8 text (byte {e.start}); not a containerd configuration") from None
+
+
 def _sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -249,7 +263,7 @@ def install(opts: Options) -> dict:
         original, existed = b"version = 2\n", False
     except OSError as e:
         raise ShoalError(f"{opts.config}: cannot read: {e.strerror}") from None
-    text, prior = merged(original.decode(), opts, str(opts.config))
+    text, prior = merged(_text(original, opts.config), opts, str(opts.config))
     new = text.encode()
     result = {"config": str(opts.config), "changed": new != original or not existed, "restarted": False,
               "backup": str(opts.backup)}
@@ -294,7 +308,7 @@ def uninstall(opts: Options) -> dict:
         result["changed"] = True
     elif current is not None:
         result["how"] = "edited since the install: removed shoal's entries, kept the rest"
-        new = removed(current.decode(), opts, state.get("prior", {}), str(opts.config)).encode()
+        new = removed(_text(current, opts.config), opts, state.get("prior", {}), str(opts.config)).encode()
         if new != current:
             replace_file(opts.config, new)
             result["changed"] = True

@@ -350,12 +350,14 @@ def test_install_and_uninstall_from_other_starting_points(workdir):
 def test_install_refuses_what_it_cannot_edit(tmp_path):
     for text, message in (("[grpc]\naddress = 'x'\n", "configuration version 1"),
                           ("version = 3\n", "configuration version 3"),
-                          ("version = 2\n[proxy_plugins\n", "not valid TOML")):
+                          ("version = 2\n[proxy_plugins\n", "not valid TOML"),
+                          ("version = 2\nproxy_plugins = 'x'\n", "config.toml: proxy_plugins is not a table"),
+                          ("version = 2\n# \udcff\n", "not UTF-8")):
         config = tmp_path / "config.toml"
-        config.write_text(text)
+        config.write_bytes(text.encode(errors="surrogateescape"))
         proc = install(config, tmp_path / "none.sock", "", "--wait", "0")
         assert proc.returncode == 1 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
-        assert config.read_text() == text
+        assert config.read_bytes() == text.encode(errors="surrogateescape")
 
 
 # --- shoal doctor ------------------------------------------------------------------------------
