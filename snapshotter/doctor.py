@@ -157,7 +157,11 @@ def check_containerd_plugin(address: str, ctr: str = "ctr") -> Check:
 def check_socket(socket: str) -> Check:
     from snapshotter.install import socket_answers
 
-    if socket_answers(socket, timeout=5):
+    try:
+        answers = socket_answers(socket, timeout=5)
+    except ImportError:
+        return Check("shoal socket", FAIL, "grpc is not installed here", "pip install 'shoal[node]'")
+    if answers:
         return Check("shoal socket", OK, f"{socket} answers")
     why = "does not exist" if not os.path.exists(socket) else "does not answer"
     return Check("shoal socket", FAIL, f"{socket} {why}", "systemctl start shoal-node (journalctl -u shoal-node)")
