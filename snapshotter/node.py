@@ -127,6 +127,9 @@ class Node:
 
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Layers of every tenant's images live here: root alone may read them,
+            # whoever made the directory first (the layer fs, an installer, an admin).
+            os.chmod(self.root, 0o700)
             self._lock_root()
             self.snapshotter = LocalSnapshotter(self.root, remote=self.remote)
             self.snapshotter.recover()
@@ -136,7 +139,7 @@ class Node:
             self._server.start()
             address = self.config.metrics.host_port()
             if address is not None:
-                self._metrics = _serve_metrics(address, str(self.root))
+                self._metrics = _serve_metrics(address, str(self.root), str(self.socket))
         except BaseException:
             self.stop()
             raise
@@ -187,26 +190,50 @@ class Node:
         self._lock_fd = fd
 
 
-def _serve_metrics(address: tuple[str, int], root: str):
-    """GET /metrics on a thread of its own: the figures of `shoal status` for Prometheus."""
+def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
+    """The node's HTTP endpoint, on a thread of its own: GET /metrics (the figures of
+    `shoal status` for Prometheus), /healthz (200 while the node process serves) and
+    /readyz (200 when the snapshotter socket answers gRPC and the layer file system
+    answers on ROOT/fs.sock; 503 naming what does not)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from shoal.metrics import CONTENT_TYPE
     from snapshotter.client_cli import node_metrics, node_status
+    from snapshotter.fs.client import FSClient
+    from snapshotter.install import socket_answers
+
+    def readiness() -> str:
+        if not socket_answers(grpc_socket, timeout=2):
+            return f"snapshotter socket {grpc_socket} does not answer"
+        if not FSClient(root).running():
+            return f"layer file system ({root}/fs.sock) does not answer"
+        return ""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics here")
-                return
-            try:
-                body = node_metrics(node_status(root)).encode()
-            except (OSError, ShoalError, ValueError) as e:
-                log.warning("metrics: %s", e)
-                self.send_error(500, str(e))
+            path = self.path.split("?", 1)[0]
+            content_type = "text/plain; charset=utf-8"
+            if path == "/healthz":
+                body = b"ok\n"
+            elif path == "/readyz":
+                problem = readiness()
+                if problem:
+                    self.send_error(503, problem)
+                    return
+                body = b"ok\n"
+            elif path == "/metrics":
+                try:
+                    body = node_metrics(node_status(root)).encode()
+                except (OSError, ShoalError, ValueError) as e:
+                    log.warning("metrics: %s", e)
+                    self.send_error(500, str(e))
+                    return
+                content_type = CONTENT_TYPE
+            else:
+                self.send_error(404, "here: /metrics, /healthz, /readyz")
                 return
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -9,7 +9,9 @@ HTTP API (what nodes and containerd, as a hosts.toml mirror, talk to):
 - Other `GET`/`HEAD /v2/...` (the `/v2/` ping, manifests, tags): passed through to the
   origin with the client's credentials, not cached, so that a mirror with the `resolve`
   capability works and clients see the origin's auth challenges. Other methods: 405.
-- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy`: 200;
+- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy` and
+  `/healthz`: 200 while the server answers; `/readyz`: 200 when its backend answers too
+  (503 otherwise: Kubernetes probes);
   `GET /-/metrics`: the same figures (and the swarm service's) for Prometheus.
 
 Blob requests, in order:
@@ -284,6 +286,8 @@ class RegionCache:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_route("GET", "/-/status", self._status)
         app.router.add_route("GET", "/-/healthy", self._healthy)
+        app.router.add_route("GET", "/healthz", self._healthy)  # liveness: the server answers
+        app.router.add_route("GET", "/readyz", self._ready)  # readiness: and so does its backend
         app.router.add_route("GET", "/-/metrics", self._metrics)
         app.router.add_route("POST", "/-/check/{digest}", self._check_report)
         app.router.add_route("*", r"/v2/{name:.+}/blobs/{digest:[^/]+}", self._blob)
@@ -358,6 +362,14 @@ class RegionCache:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def _healthy(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._pool, self.backend.contains, "sha256:" + "0" * 64), 10)
+        except Exception as e:  # noqa: BLE001 (a probe answers "not ready", whatever failed)
+            return web.Response(status=503, text=f"backend not ready: {e or type(e).__name__}\n")
         return web.Response(text="ok\n")
 
     # --- blobs ------------------------------------------------------------------------
