@@ -218,3 +218,25 @@ def test_malformed_documents_from_a_registry(case, hostile_registry, module_cont
     assert module_containerd.ctr("images", "ls", "-q").stdout.strip() == ""  # nothing written
     assert module_containerd.ctr("content", "ls", "-q").stdout.strip() == ""
     _one_line_failure(["inspect", f"docker://{host}/odd/img:t", "--plain-http"], want)
+
+
+def test_convert_refuses_a_path_through_the_layer_s_own_symlink(tmp_path):
+    """`esc -> /tmp` then `esc/file`: the node would refuse to serve it, so the converter
+    refuses to write it (one line naming the layer and the entry)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        link = tarfile.TarInfo("esc")
+        link.type, link.linkname = tarfile.SYMTYPE, "/tmp"
+        tar.addfile(link)
+        f = tarfile.TarInfo("esc/file")
+        f.size = 3
+        tar.addfile(f, io.BytesIO(b"abc"))
+    raw = buf.getvalue()
+    image = Image()
+    image.layer = gzip.compress(raw, mtime=0)
+    image.config["rootfs"]["diff_ids"] = [_digest(raw)]
+    image.manifest["layers"][0].update(digest=_digest(image.layer), size=len(image.layer))
+    _layout(tmp_path / "src", image)
+    line = _one_line_failure(["convert", f"oci:{tmp_path / 'src'}:t", f"oci:{tmp_path / 'dst'}:o"],
+                             "'esc/file': path goes through 'esc', which this layer makes a symlink")
+    assert _digest(image.layer) in line
