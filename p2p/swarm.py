@@ -67,7 +67,7 @@ import libtorrent as lt
 
 from cache.source import BlobRef, FetchChain, Held, NotHere, Source
 from p2p.metainfo import TorrentMeta, slice_pieces
-from p2p.tracker.client import MetadataClient
+from p2p.tracker.client import MetadataClient, TrackerRelay
 from p2p.tracker.peers import extent_key, jump_hash, rendezvous
 from shoal.errors import ShoalError, TransportError
 
@@ -94,7 +94,7 @@ class SwarmConfig:
 
     enabled: bool = False  # the node turns the swarm on with swarm.enabled = true
     storage: str = ""  # torrent storage folder (the node sets <root>/swarm)
-    listen: str = "0.0.0.0:6881"  # libtorrent listen_interfaces (TCP)
+    listen: str = ""  # libtorrent listen_interfaces (TCP); "" = advertise_ip (or the route to the region):6881
     advertise_ip: str = ""  # this node's address as peers see it; default: the route to the tracker
     metadata_url: str = ""  # the region serving /p2p/v1/torrents; default: the node's region_url
     tracker_url: str = ""  # announce here instead of the URL in the metadata
@@ -160,6 +160,14 @@ def session_settings(config: SwarmConfig) -> dict:
     }
 
 
+def rank_url(tracker: str) -> str | None:
+    """The rank route beside a tracker's announce route (.../announce[?query]), or None."""
+    path, sep, query = tracker.partition("?")
+    if not path.endswith("/announce"):
+        return None
+    return path[: -len("/announce")] + "/rank" + sep + query
+
+
 def route_address(url: str) -> str:
     """The local address this host would use to reach `url`'s host (no packet is sent)."""
     parsed = urlparse(url)
@@ -216,6 +224,12 @@ class Swarm:
         self.config = config
         self.metadata = metadata
         self.fallback = fallback
+        if not config.listen:  # this node's address only: never every interface
+            ip = config.advertise_ip or route_address(metadata.url)
+            config.listen = f"[{ip}]:6881" if ":" in ip else f"{ip}:6881"
+        listen_host = config.listen.rpartition(":")[0].strip("[]")
+        self.relay = TrackerRelay(metadata.link, bind_ip=listen_host if listen_host not in ("0.0.0.0", "::", "") else
+                                  "127.0.0.1", source_ip=config.advertise_ip)  # libtorrent announces through it (HTTPS, node token)
         self.data_dir = os.path.join(config.storage, "data")
         os.makedirs(self.data_dir, exist_ok=True)
         self._clean_partial()
@@ -264,6 +278,7 @@ class Swarm:
         self._wake()
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.relay.close()
         for fd in (self._alert_r, self._alert_w, self._cmd_r, self._cmd_w):
             try:
                 os.close(fd)
@@ -461,7 +476,8 @@ class Swarm:
         if existing is not None:
             return existing
         self._evict_for(meta.length)
-        tracker = self.config.tracker_url or announce
+        upstream = self.config.tracker_url or announce
+        tracker = self.relay.url_for(upstream) if upstream else None
         path = os.path.join(self.data_dir, meta.name)
         t = _Torrent(blob=blob, meta=meta, path=path, have=bytearray(meta.num_pieces))
         atp = lt.add_torrent_params()
@@ -483,7 +499,7 @@ class Swarm:
         t.handle = self._ses.add_torrent(atp)
         now = time.monotonic()
         t.added = t.last_progress = t.last_used = now
-        t.self_ip = self.config.advertise_ip or (route_address(tracker) if tracker else "")
+        t.self_ip = self.config.advertise_ip or (route_address(upstream) if upstream else "")
         t.tracker = tracker or ""
         if complete:
             t.complete, t.mode = True, "complete"
@@ -824,12 +840,12 @@ class Swarm:
     def _ask_rank(self, t: _Torrent) -> None:
         """This node's rank among the blob's downloaders (p2p/tracker/peers.py); left
         unset when the tracker cannot say (then the local view decides)."""
-        if not t.tracker.endswith("/announce"):
+        url = rank_url(t.tracker)
+        if url is None:
             return
-        url = t.tracker[: -len("/announce")] + "/rank"
         query = urlencode({"info_hash": t.meta.info_hash, "port": self.listen_port})
         try:
-            with self._opener.open(f"{url}?{query}", timeout=_RANK_TIMEOUT) as resp:
+            with self._opener.open(f"{url}{'&' if '?' in url else '?'}{query}", timeout=_RANK_TIMEOUT) as resp:
                 answer = json.loads(resp.read())
             rank = (int(answer["rank"]), int(answer["of"]), time.monotonic())
             if not t.rank or t.rank[:2] != rank[:2]:
@@ -881,7 +897,7 @@ class Swarm:
 
             def owned(extent: int) -> bool:
                 return jump_hash(extent_key(ih, extent), group) == my_rank
-        elif young and t.tracker.endswith("/announce") and not t.rank:
+        elif young and rank_url(t.tracker) and not t.rank:
             return []  # the first rank is on its way
         else:  # the tracker gives no ranks (or no longer answers): this node's own view
             my_rank, group = -1, len(candidates)

@@ -50,7 +50,10 @@ class SnapshotterConfig:
 class FetchConfig:
     """[fetch]: where lazy layers' chunks come from, and the node's chunk store."""
 
-    region_url: str = ""  # the region cache (`shoal region`), tried before the origin; "" = none
+    region_url: str = ""  # the region cache (`shoal region`, https://HOST:PORT), tried before the origin; "" = none
+    region_ca: str = ""  # PEM CA the region's certificate must chain to (its ROOT/tls/ca.pem); "" = system trust store
+    region_token_file: str = ""  # the region's node token (its <store>/tls/node-token), for the swarm's calls
+    region_plain_http_credentials: bool = False  # send registry credentials to an http:// region on loopback
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
     store_capacity: int = 0  # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
     memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
@@ -148,6 +151,10 @@ def load_config(path: str | Path | None) -> NodeConfig:
         config.metrics.host_port()
     except ShoalError as e:
         raise ShoalError(f"{path}: {e}") from None
+    for key in ("region_ca", "region_token_file"):
+        value = getattr(config.fetch, key)
+        if value and not os.access(value, os.R_OK):
+            raise ShoalError(f"{path}: fetch.{key} {value!r}: not a readable file")
     return config
 
 

@@ -10,6 +10,11 @@ Every option, with its default (an empty file, or none, gives these):
     origin_verify_tls = true       # check the origin's TLS certificate
     io_threads = 32                # worker threads for file and S3 I/O (never on the event loop)
     block_size = "1M"              # bytes per read/write when streaming blobs
+    plain_http = false             # serve plain HTTP instead of HTTPS (--plain-http; loopback listen only)
+    tls_cert = ""                  # PEM certificate (chain) to serve; "" = the region's own (below)
+    tls_key = ""                   # its private key
+    tls_dir = ""                   # the region's own CA and certificate; "" = <store>/tls
+    tls_names = []                 # more names/addresses its own certificate covers (beside the listen host)
 
     [disk]
     capacity = ""                  # bytes ("500G"); empty: the recorded one, else 20% of free disk
@@ -29,6 +34,9 @@ Every option, with its default (an empty file, or none, gives these):
     ttl = 60.0                     # seconds an allowed (credentials, repository) is remembered
     negative_ttl = 5.0             # seconds a refusal is remembered
 
+    [nodes]
+    token_file = ""                # the secret nodes present to /p2p/v1/ (made at first start); "" = <tls_dir>/node-token
+
 Tables other than these belong to other parts of `shoal region` and are ignored here;
 unknown keys in these tables are errors (a typo must not silently fall back to a default).
 """
@@ -40,6 +48,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlparse
 
+from builder.oci.registry import is_loopback
 from shoal.errors import UsageError
 
 
@@ -84,6 +93,11 @@ class AuthConfig:
 
 
 @dataclass
+class NodesConfig:
+    token_file: str = ""
+
+
+@dataclass
 class RegionConfig:
     listen: str = "127.0.0.1:5080"
     origin: str = ""
@@ -93,9 +107,15 @@ class RegionConfig:
     origin_verify_tls: bool = True
     io_threads: int = 32
     block_size: int = 1 << 20
+    plain_http: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_dir: str = ""
+    tls_names: list = field(default_factory=list)
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
     # The swarm's tracker and torrent metadata at /p2p/v1/ (p2p/, docs/p2p.md); metadata is
     # served only to clients the origin would serve the blob to.
     swarm: bool = True
@@ -121,9 +141,18 @@ class RegionConfig:
             }
         raise UsageError(f"unknown backend {self.backend!r} (want disk or s3)")
 
+    @property
+    def state_dir(self) -> str:
+        """The region's own CA, certificate and node token (0700)."""
+        return self.tls_dir or str(Path(self.store) / "tls")
+
+    @property
+    def token_path(self) -> str:
+        return self.nodes.token_file or str(Path(self.state_dir) / "node-token")
+
 
 _SIZES = {"capacity", "block_size"}
-_TABLES = {"disk": DiskConfig, "s3": S3Config, "auth": AuthConfig}
+_TABLES = {"disk": DiskConfig, "s3": S3Config, "auth": AuthConfig, "nodes": NodesConfig}
 
 
 def _apply(obj: object, values: dict, where: str) -> None:
@@ -148,6 +177,8 @@ def _apply(obj: object, values: dict, where: str) -> None:
             raise UsageError(f"config: {where + '.' if where else ''}{key} must be a number")
         elif isinstance(current, str) and not isinstance(value, str):
             raise UsageError(f"config: {where + '.' if where else ''}{key} must be a string")
+        elif isinstance(current, list) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UsageError(f"config: {where + '.' if where else ''}{key} must be a list of strings")
         setattr(obj, key, type(current)(value) if isinstance(current, float) else value)
 
 
@@ -171,6 +202,11 @@ def load_config(path: str | None = None, **overrides: object) -> RegionConfig:
     parsed = urlparse(config.origin)
     if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.path not in ("", "/"):
         raise UsageError(f"origin {config.origin!r}: want http://HOST[:PORT] or https://HOST[:PORT]")
+    if config.plain_http and not is_loopback(config.listen_address[0]):
+        raise UsageError(f"plain HTTP (--plain-http) only on a loopback address, not {config.listen}: "
+                         "nodes send registry credentials to the region")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise UsageError("config: tls_cert and tls_key go together")
     if config.io_threads < 1 or config.block_size < 4096:
         raise UsageError("config: io_threads must be >= 1 and block_size >= 4K")
     return config

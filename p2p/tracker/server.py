@@ -17,11 +17,16 @@ Routes (relative to the mount point):
   address its request came from (an `ip` parameter is ignored unless trust_ip_param),
   so one node cannot point a swarm at someone else.
 - `GET /v1/scrape?info_hash=...`: BEP 48 counts.
-- `GET /v1/rank?info_hash=...&port=P`: JSON {"rank", "of", "ttl"}: this downloader's
+- `GET /v1/rank?info_hash=...[&port=P]`: JSON {"rank", "of", "ttl"}: this downloader's
   rank among the nodes downloading the blob whole (see peers.py); asked again within
   `ttl` seconds to stay counted. Lets nodes split the first fetch of a blob from the
-  region without seeing each other.
+  region without seeing each other. The address is the request's; the port must be one
+  that address announced for the torrent (400 otherwise), so ranks count real peers.
 - `GET /v1/status`: JSON counters (swarms, peers, announces, torrents made/served).
+
+Every route needs the region's node token (header TOKEN_HEADER) when one is set:
+401 without it. The token says "a node of this region", nothing about repositories:
+metadata is also checked against the origin per client (authorize).
 
 The tracker's table is soft state (p2p/tracker/peers.py): a restart empties it and
 it refills within one announce interval; nodes never depend on it to read.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -44,7 +50,7 @@ from urllib.parse import unquote_to_bytes
 from aiohttp import web
 
 from p2p import bencode, metainfo
-from p2p.tracker import PREFIX
+from p2p.tracker import PREFIX, TOKEN_HEADER
 from p2p.tracker.peers import PeerTable
 from shoal.digest import hex_of, is_digest
 from shoal.errors import DigestMismatch, ShoalError
@@ -250,7 +256,7 @@ class SwarmService:
         self.table = table
         self.announce_url = announce_url
         self.trust_ip_param = trust_ip_param
-        self.stats = {"torrents_served": 0, "torrents_missing": 0, "announce_failures": 0}
+        self.stats = {"torrents_served": 0, "torrents_missing": 0, "announce_failures": 0, "unauthorized": 0}
 
     def announce_url_for(self, request: web.Request) -> str:
         if self.announce_url:
@@ -326,7 +332,7 @@ class SwarmService:
         q = parse_query(request.query_string)
         try:
             info_hash = q.get("info_hash", b"")
-            port = _int_param(q, "port")
+            port = _int_param(q, "port") if "port" in q else None  # a hint: must be an announced one
             rank, of = self.table.rank(info_hash, self._peer_ip(request, q), port, time.monotonic())
         except ValueError as exc:
             raise web.HTTPBadRequest(text=f"{exc}\n") from None
@@ -354,8 +360,10 @@ class SwarmService:
 
 def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,
              announce_url: str | None = None, trust_ip_param: bool = False,
-             authorize: Authorize | None = None) -> web.Application:
+             authorize: Authorize | None = None, node_token: str = "") -> web.Application:
     """The swarm service as an application to mount at PREFIX (see the module doc).
+
+    node_token: the secret every request must carry in TOKEN_HEADER ("" = none asked).
 
     announce_url: the tracker URL put in served torrents; default: this service's
     announce route as the requesting client addressed it.
@@ -364,7 +372,17 @@ def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = No
     passes its own access check (request.query "repo" and "ns" name the repository).
     """
     service = SwarmService(torrents, table or PeerTable(), announce_url, trust_ip_param, authorize)
-    app = web.Application()
+    expected = node_token.encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler):
+        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
+            service.stats["unauthorized"] += 1
+            raise web.HTTPUnauthorized(text="the region's swarm service needs its node token "
+                                            "([fetch] region_token_file on the node)\n")
+        return await handler(request)
+
+    app = web.Application(middlewares=[require_token])
     app[SERVICE_KEY] = service
     app.router.add_get("/v1/torrents/{digest}", service.torrent)
     app.router.add_get("/v1/announce", service.announce)
