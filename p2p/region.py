@@ -46,15 +46,17 @@ async def fill_through(base_url: str | None, digest: str, request: web.Request, 
 
 def mount_on_region(app: web.Application, backend, folder: str, *, piece_size: int | None = None,
                     interval: int = 60, announce_url: str | None = None, self_url: str | None = None,
-                    authorize=None, self_ssl=None, node_token: str = "") -> web.Application:
+                    authorize=None, self_ssl=None, node_token: str = "", peer_ca=None) -> web.Application:
     """Mount the swarm service (tracker + metadata from `backend`) on the region's app.
 
     self_url: how the region reaches itself (for fills); default: the request's origin.
     self_ssl: the ssl.SSLContext that trusts the region's own certificate (for fills).
     authorize(digest, request): the region's access check for metadata (see make_app).
     node_token: the secret every /p2p/v1 call must carry (see make_app).
+    peer_ca: the swarm CA (cache.region.tls.PeerCA): torrents are then SSL torrents.
     """
     torrents = BackendTorrents(folder, backend, piece_size,
-                               fill=lambda digest, request: fill_through(self_url, digest, request, self_ssl))
+                               fill=lambda digest, request: fill_through(self_url, digest, request, self_ssl),
+                               ssl_cert=peer_ca.pem if peer_ca is not None else b"")
     return mount(app, torrents=torrents, table=PeerTable(interval=interval), announce_url=announce_url,
-                 authorize=authorize, node_token=node_token)
+                 authorize=authorize, node_token=node_token, peer_ca=peer_ca)

@@ -298,12 +298,18 @@ class RegionCache:
         scheme = "https" if self.tls else "http"
         if ":" in host:
             host = f"[{host}]"
-        from cache.region.tls import client_context
+        from cache.region.tls import PeerCA, client_context
 
+        try:
+            peer_ca = PeerCA(self.config.state_dir)
+        except ImportError:
+            peer_ca = None
+            log.warning("the cryptography package is missing: the swarm runs without peer certificates "
+                        "(any peer that knows a torrent can get its pieces)")
         sub = mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
                               self_url=f"{scheme}://{host}:{port}", authorize=authorize,
                               self_ssl=client_context(self.tls.ca) if self.tls else None,
-                              node_token=self.node_token)
+                              node_token=self.node_token, peer_ca=peer_ca)
         self.swarm = sub[SERVICE_KEY]
 
     async def _on_startup(self, app: web.Application) -> None:
@@ -692,6 +698,8 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
              swarm["refused"]),
             ("shoal_region_swarm_unauthorized_total", c, "Swarm service calls without the node token.",
              swarm["unauthorized"]),
+            ("shoal_region_peer_certs_total", c, "Peer certificates by outcome.",
+             [({"result": "issued"}, swarm["certs_issued"]), ({"result": "refused"}, swarm["certs_refused"])]),
             ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
             ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
         ]

@@ -1,8 +1,9 @@
-"""The region's own TLS: a CA and a server certificate made at first start, and the
-node token, kept in the region's state folder.
+"""The region's own TLS: a CA and a server certificate made at first start, the swarm
+CA that signs peer certificates, and the node token, kept in the region's state folder.
 
     paths = ensure_region_tls(folder, host, names)   # -> RegionTLS(ca, cert, key)
     token = ensure_node_token(path)
+    swarm = PeerCA(folder); cert, ttl = swarm.issue(public_key_pem, torrent_name, node)
 
 Contract:
 - `folder` is created 0700; private keys and the token are written 0600, by rename, so a
@@ -95,6 +96,71 @@ def ensure_region_tls(folder: str, host: str, names: list[str] | tuple[str, ...]
     return RegionTLS(ca_pem, cert, key)
 
 
+class PeerCA:
+    """The region's swarm CA (`swarm-ca.pem`, `swarm-ca.key` in the state folder, made at
+    first start): its certificate goes into every torrent's info dict (`ssl-cert`), and
+    issue() signs a peer certificate for one torrent. Peers of an SSL torrent accept
+    only each other's certificates signed by it whose subjectAltName is the torrent's
+    name (libtorrent checks both), so a certificate for one blob opens no other."""
+
+    def __init__(self, folder: str, ttl: float = 3600.0) -> None:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self.cert_path = os.path.join(folder, "swarm-ca.pem")
+        key_path = os.path.join(folder, "swarm-ca.key")
+        if not (os.path.exists(self.cert_path) and os.path.exists(key_path)):
+            _make_ca(self.cert_path, key_path, "shoal swarm CA")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        with open(self.cert_path, "rb") as fh:
+            self.pem = fh.read()
+        self._cert = x509.load_pem_x509_certificate(self.pem)
+        with open(key_path, "rb") as fh:
+            self._key = serialization.load_pem_private_key(fh.read(), None)
+        self.ttl = ttl
+        self.issued = 0
+
+    def issue(self, public_key_pem: bytes, name: str, subject: str) -> tuple[bytes, float]:
+        """(PEM certificate, seconds valid) for the peer key `public_key_pem` in the torrent
+        named `name`; `subject` (the node's address) is its common name, for logs.
+        ValueError for a key that is not a PEM public key."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec, rsa
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = serialization.load_pem_public_key(public_key_pem)
+        if not isinstance(key, (ec.EllipticCurvePublicKey, rsa.RSAPublicKey)):
+            raise ValueError("want an EC or RSA public key")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject[:64] or "peer")]))
+                .issuer_name(self._cert.subject).public_key(key)
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(seconds=self.ttl))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH,
+                                                      ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .sign(self._key, hashes.SHA256()))
+        self.issued += 1
+        from cryptography.hazmat.primitives.serialization import Encoding
+
+        return cert.public_bytes(Encoding.PEM), self.ttl
+
+
+def peer_key() -> tuple[bytes, bytes]:
+    """A new peer key: (private key PEM, public key PEM)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    return _key_pem(key), public
+
+
 def ensure_node_token(path: str) -> str:
     """The secret nodes present to the region's swarm service: read from `path`, or made
     (32 random bytes, hex) and written there 0600 at first start."""
@@ -144,14 +210,14 @@ def _key_pem(key) -> bytes:
                              serialization.NoEncryption())
 
 
-def _make_ca(ca_pem: str, ca_key: str) -> None:
+def _make_ca(ca_pem: str, ca_key: str, title: str = "shoal region CA") -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"shoal region CA {socket.gethostname()}")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{title} {socket.gethostname()}")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())

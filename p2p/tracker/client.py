@@ -101,14 +101,20 @@ class MetadataClient:
                 backoff = min(self._max_retry, max(self._min_retry, retry_after))
             self._failed[digest] = (time.monotonic() + backoff, backoff)
 
-    def _fetch(self, blob: BlobRef):
-        digest = blob.digest
-        url = f"{self.url}{PREFIX}/v1/torrents/{digest}?repo={quote(blob.repository, safe='')}" \
+    def _request(self, route: str, blob: BlobRef) -> tuple[str, dict[str, str]]:
+        """URL and headers of a per-blob call: the node token, and the node's registry
+        credentials for the repository (the region checks them with the origin)."""
+        url = f"{self.url}{PREFIX}/v1/{route}/{blob.digest}?repo={quote(blob.repository, safe='')}" \
               f"&ns={quote(blob.registry, safe='')}"
         headers = {TOKEN_HEADER: self.link.token} if self.link.token else {}
         authorization = self.link.authorization(blob.registry, blob.repository)
         if authorization:
             headers["Authorization"] = authorization
+        return url, headers
+
+    def _fetch(self, blob: BlobRef):
+        digest = blob.digest
+        url, headers = self._request("torrents", blob)
         try:
             resp = self._session().get(url, headers=headers, timeout=self._timeouts)
         except requests.RequestException as exc:
@@ -147,6 +153,30 @@ class MetadataClient:
             self._failed.pop(digest, None)
         self.stats["fetched"] += 1
         return meta, announce
+
+    def certificate(self, blob: BlobRef, public_key: bytes) -> tuple[bytes, float] | None:
+        """(PEM peer certificate, seconds valid) for the blob's SSL torrent, or None (the
+        region refused: this node's registry credentials do not cover the repository,
+        or the region cannot be asked); logged."""
+        url, headers = self._request("certs", blob)
+        try:
+            resp = self._session().post(url, data=public_key, headers=headers, timeout=self._timeouts)
+        except requests.RequestException as exc:
+            self.stats["errors"] += 1
+            log.info("%s: no peer certificate from %s: %s", blob.digest, self.url, type(exc).__name__)
+            return None
+        if resp.status_code != 200:
+            self.stats["refused" if resp.status_code in (401, 403) else "errors"] += 1
+            log.warning("%s: peer certificate refused by %s: HTTP %d %s", blob.digest, self.url,
+                        resp.status_code, resp.text.strip()[:200])
+            return None
+        try:
+            answer = resp.json()
+            return answer["cert"].encode("ascii"), float(answer["ttl"])
+        except (ValueError, KeyError, AttributeError, TypeError):
+            self.stats["errors"] += 1
+            log.error("%s: bad peer certificate answer from %s", blob.digest, self.url)
+            return None
 
     def forget(self, digest: str) -> None:
         """Drop the cached metadata (it proved wrong: the blob did not hash to its digest)."""
