@@ -279,7 +279,8 @@ class LabRegistry:
         return n, total
 
 
-def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
+def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None) -> LabRegistry:
+    """docker-registry in the hub; `auth`: its `auth` configuration (e.g. token), if any."""
     storage = workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
     config = workdir / "registry.yml"
@@ -288,6 +289,7 @@ def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
         "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(storage)}},
         "http": {"addr": f"{HUB_IP}:{port}", "secret": os.urandom(16).hex()},
+        **({"auth": auth} if auth else {}),
     }))
     log_path = workdir / "registry.log"
     with open(log_path, "wb") as log:
@@ -311,21 +313,27 @@ def wait_http(lab: Lab, host: Host, url: str, proc: subprocess.Popen, timeout: f
     raise RuntimeError(f"{url} did not answer within {timeout}s")
 
 
-# urllib from inside a namespace: argv[1] a CA file ("" = none), argv[2] the node token
-# ("" = none), then URLs; defines get(url) -> response
+# urllib from inside a namespace: argv[1] a CA file ("" = none), argv[2] request headers
+# (JSON), then its own arguments; defines get(url) -> response
 _GET = ("import sys,json,ssl,urllib.request\n"
-        "ca,token=sys.argv[1],sys.argv[2]\n"
+        "ca,headers=sys.argv[1],json.loads(sys.argv[2])\n"
         "ctx=ssl.create_default_context(cafile=ca) if ca else None\n"
         "def get(u):\n"
-        "    r=urllib.request.Request(u, headers={'X-Shoal-Node-Token': token} if token else {})\n"
-        "    return urllib.request.urlopen(r, timeout=10, context=ctx)\n")
+        "    return urllib.request.urlopen(urllib.request.Request(u, headers=headers), timeout=10, context=ctx)\n")
+
+
+def _headers(token: str = "", authorization: str = "") -> str:
+    from p2p.tracker import TOKEN_HEADER
+
+    return json.dumps({**({TOKEN_HEADER: token} if token else {}),
+                       **({"Authorization": authorization} if authorization else {})})
 
 
 def http_get(lab: Lab, host: Host, *urls: str, timeout: float = 30, ca: str = "", token: str = "") -> list[str]:
     """The bodies (text) of GET `urls`, fetched from inside the host's namespace
     (trusting `ca`, with the node token `token` if given)."""
     code = _GET + "print(json.dumps([get(u).read().decode() for u in sys.argv[3:]]))\n"
-    out = lab.run(host, [sys.executable, "-c", code, ca, token, *urls], timeout=timeout)
+    out = lab.run(host, [sys.executable, "-c", code, ca, _headers(token), *urls], timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"GET {' '.join(urls)} in {host.ns}: {out.stderr[-1000:]}")
     return json.loads(out.stdout)
@@ -435,9 +443,10 @@ def start_region(lab: Lab, workdir: Path, registry: LabRegistry, port: int = 508
 
 
 def wait_torrent(lab: Lab, region: LabRegion, registry: LabRegistry, repository: str, digest: str,
-                 timeout: float = 120) -> bytes:
+                 timeout: float = 120, authorization: str = "") -> bytes:
     """The blob's .torrent from the region, once made (the region fills the blob from the
-    origin on the first metadata request and answers 404 meanwhile)."""
+    origin on the first metadata request and answers 404 meanwhile); `authorization`:
+    registry credentials for a private repository."""
     code = _GET + ("import time,urllib.error\n"
                    "end=time.monotonic()+float(sys.argv[4])\n"
                    "while True:\n"
@@ -447,7 +456,8 @@ def wait_torrent(lab: Lab, region: LabRegion, registry: LabRegistry, repository:
                    "        if e.code != 404 or time.monotonic() > end: raise\n"
                    "        time.sleep(0.2)\n")
     url = f"{region.url}/p2p/v1/torrents/{digest}?repo={repository}&ns={registry.host}"
-    proc = lab.run(lab.hub, [sys.executable, "-c", code, region.ca, region.token, url, str(timeout)],
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, region.ca, _headers(region.token, authorization), url,
+                             str(timeout)],
                    timeout=timeout + 30, text=False)
     if proc.returncode != 0:
         raise RuntimeError(f"no torrent for {digest} from the region: {proc.stderr.decode()[-1000:]}")
@@ -479,7 +489,7 @@ class LabImage:
 
 
 def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Path, name: str,
-                  timeout: float = 120) -> LabImage:
+                  timeout: float = 120, authorization: str = "") -> LabImage:
     """Copy an OCI layout's image (converted already: its layers pass through) to the
     origin as REGISTRY/`name` with `shoal convert`, and wait until the region serves the
     torrent of every layer (which also fills the layers into the region)."""
@@ -497,7 +507,7 @@ def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Pa
     image = LabImage(ref, root.digest, doc["layers"], diff_ids)
     for layer in image.layers:
         image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
-                                                       timeout)
+                                                       timeout, authorization)
     return image
 
 
@@ -604,16 +614,18 @@ class LabNode:
 
 
 def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, registry: LabRegistry,
-                swarm: dict | None = None, metrics: bool = False, timeout: float = 30) -> list[LabNode]:
+                swarm: dict | None = None, metrics: bool = False, timeout: float = 30,
+                env: dict | None = None, fetch: dict | None = None) -> list[LabNode]:
     """One `shoal node` per host (the swarm on, listening on the host's address; the
     region and origin in the hub), started at once; returns when all answer. `workdir`
-    must be short: unix socket paths live in it."""
+    must be short: unix socket paths live in it. `env`: more environment (e.g. a
+    DOCKER_CONFIG of the nodes' own); `fetch`: [fetch] keys over the region's."""
     nodes = []
     for host in hosts:
         d = workdir / host.ns
         d.mkdir(parents=True)
         config = {
-            "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host]},
+            "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host], **(fetch or {})},
             "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
         }
         metrics_address = ""
@@ -625,7 +637,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
         with open(d / "node.log", "ab") as log:
             proc = lab.popen(host, [SHOAL, "-v", "node", "--root", d / "root", "--socket", d / "s.sock",
                                     "--config", d / "node.toml"], stdout=log, stderr=subprocess.STDOUT,
-                             cwd=REPO_ROOT, env=_env())
+                             cwd=REPO_ROOT, env={**_env(), **(env or {})})
         nodes.append(LabNode(host, proc, d, metrics_address))
     deadline = time.monotonic() + timeout
     for node in nodes:

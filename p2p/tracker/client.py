@@ -220,10 +220,10 @@ class TrackerRelay:
         relay = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 relay._handle(self)
 
-            def log_message(self, format: str, *args) -> None:  # noqa: A002
+            def log_message(self, format: str, *args) -> None:
                 log.debug("tracker relay: " + format, *args)
 
         family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET

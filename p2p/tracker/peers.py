@@ -167,10 +167,9 @@ class PeerTable:
             swarm = self._swarms[info_hash] = {}
         else:  # most recently announced last: eviction takes the first
             self._swarms[info_hash] = self._swarms.pop(info_hash)
-        if key not in swarm:
-            if sum(1 for k in swarm if k[0] == ip) >= self.max_ports_per_ip:
-                self.refused += 1
-                raise ValueError(f"{ip} announces more than {self.max_ports_per_ip} ports for this torrent")
+        if key not in swarm and sum(1 for k in swarm if k[0] == ip) >= self.max_ports_per_ip:
+            self.refused += 1
+            raise ValueError(f"{ip} announces more than {self.max_ports_per_ip} ports for this torrent")
         if key not in swarm and len(swarm) >= self.max_swarm:
             self._expire_swarm(swarm, now)
         if key in swarm or len(swarm) < self.max_swarm:
