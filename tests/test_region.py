@@ -27,9 +27,9 @@ from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistryDestination
 from cache.region import backends
 from cache.region.client import RegionLink, RegionSource
-from cache.region.tls import ensure_region_tls
 from cache.region.config import AuthConfig, RegionConfig
 from cache.region.server import parse_range, start_server
+from cache.region.tls import ensure_region_tls
 from cache.source import BlobRef, FetchChain, NotHere
 from shoal.errors import TransportError
 from tests.services import free_port, stop_process
@@ -434,9 +434,8 @@ def test_region_source_pins_the_region_ca_and_keeps_credentials_off_plain_http(
 
     plain = region_factory(reg)
     source = RegionSource(plain.url)
-    with caplog.at_level(logging.WARNING, "shoal.fetch"):
-        with pytest.raises(TransportError, match="HTTP 401"):
-            source.read_ranges(ref, [(0, 10)])
+    with caplog.at_level(logging.WARNING, "shoal.fetch"), pytest.raises(TransportError, match="HTTP 401"):
+        source.read_ranges(ref, [(0, 10)])
     assert "registry credentials are not sent" in caplog.text
     source.close()
     allowed = RegionSource(RegionLink(plain.url, plain_http_credentials=True))  # loopback and asked for

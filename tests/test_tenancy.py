@@ -169,7 +169,7 @@ def test_a_tenant_gets_only_the_repositories_the_origin_grants_it(lab_world, doc
     docker_config.login(registry.host, ADMIN, ADMIN_PW)  # the CI step that pushes
     region = netlab.start_region(lab, work, registry)
     image_a, files_a = _image(lab, registry, region, work, "tenant/a/img", 1, {"a.bin": 3 * MiB, "b.bin": MiB})
-    image_b, files_b = _image(lab, registry, region, work, "tenant/b/img", 2, {"c.bin": 3 * MiB})
+    image_b, _ = _image(lab, registry, region, work, "tenant/b/img", 2, {"c.bin": 3 * MiB})
     [layer_a], [layer_b] = image_a.layers, image_b.layers
     hosts = [lab.add_node() for _ in range(3)]
 
