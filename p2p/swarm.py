@@ -257,9 +257,6 @@ class Swarm:
         if not config.listen:  # this node's address only: never every interface
             ip = config.advertise_ip or route_address(metadata.url)
             config.listen = f"[{ip}]:6881" if ":" in ip else f"{ip}:6881"
-        listen_host = config.listen.rpartition(":")[0].strip("[]")
-        self.relay = TrackerRelay(metadata.link, bind_ip=listen_host if listen_host not in ("0.0.0.0", "::", "") else
-                                  "127.0.0.1", source_ip=config.advertise_ip)  # libtorrent announces through it (HTTPS, node token)
         self.data_dir = os.path.join(config.storage, "data")
         os.makedirs(self.data_dir, exist_ok=True)
         self._cert_dir = os.path.join(config.storage, "certs")
@@ -295,6 +292,10 @@ class Swarm:
         self.ssl_listen_port = 0
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the tracker is on the LAN
         self._thread = threading.Thread(target=self._run, name="shoal-swarm", daemon=True)
+        # libtorrent announces through the relay (HTTPS, node token), on its own listen address
+        listen_host = config.listen.rpartition(":")[0].strip("[]")
+        self.relay = TrackerRelay(metadata.link, source_ip=config.advertise_ip,
+                                  bind_ip="127.0.0.1" if listen_host in ("0.0.0.0", "::", "") else listen_host)
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -350,6 +351,7 @@ class Swarm:
         if got is None:
             self._cert_refused[blob.digest] = time.monotonic() + _CERT_RETRY
             return None
+        self._cert_refused.pop(blob.digest, None)
         cert, ttl = got
         path = os.path.join(self._cert_dir, f"sha256-{blob.digest[7:]}.pem")
         _write_private(path, cert)
@@ -747,7 +749,7 @@ class Swarm:
         """The on-demand path (see the module doc). NotHere without metadata."""
         t = self.ensure(blob)
         if t is None:
-            raise NotHere(f"{blob.digest}: no torrent metadata (yet)")
+            raise NotHere(f"{blob.digest}: no torrent metadata or peer certificate (yet)")
         if t.failed:
             raise NotHere(f"{blob.digest}: swarm disabled for this blob ({t.failed})")
         ranges = list(ranges)
@@ -788,7 +790,7 @@ class Swarm:
     def start_download(self, blob: BlobRef) -> Future:
         t = self.ensure(blob, bulk=True)
         if t is None:
-            raise NotHere(f"{blob.digest}: no torrent metadata (yet)")
+            raise NotHere(f"{blob.digest}: no torrent metadata or peer certificate (yet)")
         fut = self._call(lambda: self._start_bulk(t)).result(30)
         if self.fallback is not None:
             self._call(lambda: self._start_helper(t)).result(30)

@@ -425,10 +425,14 @@ def test_region_source_pins_the_region_ca_and_keeps_credentials_off_plain_http(
     ref = BlobRef(reg.host, "lib/pin", digest, len(data), plain_http=True)
     secure = region_factory(reg, tls=True)
     stranger = ensure_region_tls(str(tmp_path / "another-ca"), "127.0.0.1")  # a CA of someone else
-    source = RegionSource(RegionLink(secure.url, ca=stranger.ca))
-    with pytest.raises(TransportError, match="TLS refused .*certificate verify failed"):
-        source.read_ranges(ref, [(0, 10)])
-    source.close()
+    for link in (RegionLink(secure.url, ca=stranger.ca), RegionLink(secure.url)):  # no CA: the system store
+        source = RegionSource(link)
+        with pytest.raises(TransportError, match="TLS refused .*certificate verify failed"):
+            source.read_ranges(ref, [(0, 10)])
+        source.close()
+    pinned = RegionSource(RegionLink(secure.url, ca=secure.ca))
+    assert pinned.read_ranges(ref, [(0, 10)]) == [data[:10]]
+    pinned.close()
     assert oct(os.stat(secure.tls.key).st_mode & 0o777) == "0o600"
     assert oct(os.stat(os.path.dirname(secure.tls.key)).st_mode & 0o777) == "0o700"
 
