@@ -214,7 +214,9 @@ class TrackerRelay:
         self.link = link
         self._source_ip = source_ip
         self.host = bind_ip
-        self._routes: dict[str, str] = {}  # secret -> the region's tracker base (without /announce)
+        # secret -> the region's tracker base (without /announce); written by the swarm's owner
+        # thread (url_for), read by the relay's threads: single dict operations only
+        self._routes: dict[str, str] = {}
         self._local = threading.local()
         self._timeout = timeout
         relay = self
