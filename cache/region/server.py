@@ -296,6 +296,7 @@ class RegionCache:
 
         host, port = self.config.listen_address
         scheme = "https" if self.tls else "http"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # a name its certificate has
         if ":" in host:
             host = f"[{host}]"
         from cache.region.tls import PeerCA, client_context
