@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import tomllib
 import types
 import typing
@@ -86,6 +87,13 @@ def host_port_check(value: str) -> str | None:
         split_host_port(value)
     except ValueError as e:
         return str(e)
+    return None
+
+
+def readable_file_check(value: str) -> str | None:
+    """A check for file fields: "" or a file this process can read."""
+    if value and not os.access(value, os.R_OK):
+        return "not a readable file"
     return None
 
 

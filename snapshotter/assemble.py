@@ -21,9 +21,9 @@ def make_chain(config: dict) -> FetchChain:
     sources: list[Source] = []
     region = config.get("region_url")
     if region:
-        from cache.region.client import RegionSource
+        from cache.region.client import RegionLink, RegionSource
 
-        sources.append(RegionSource(region))
+        sources.append(RegionSource(RegionLink.from_config(config)))
     sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", [])))
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
         from p2p.node import swarm_chain

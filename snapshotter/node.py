@@ -23,7 +23,14 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal.config import host_port_check, limits, load, split_host_port, url_check
+from shoal.config import (
+    host_port_check,
+    limits,
+    load,
+    readable_file_check,
+    split_host_port,
+    url_check,
+)
 from shoal.errors import ShoalError
 from snapshotter.snapshotter import RemoteLayers
 
@@ -50,6 +57,11 @@ class FetchConfig:
 
     # the region cache (`shoal region`), tried before the origin; "" = none
     region_url: str = field(default="", metadata=limits(check=url_check()))
+    # PEM CA the region's certificate must chain to (its <store>/tls/ca.pem); "" = system trust store
+    region_ca: str = field(default="", metadata=limits(check=readable_file_check))
+    # the region's node token (its <store>/tls/node-token), for the swarm's calls
+    region_token_file: str = field(default="", metadata=limits(check=readable_file_check))
+    region_plain_http_credentials: bool = False  # send registry credentials to an http:// region on loopback
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
     # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
     store_capacity: int = field(default=0, metadata=limits(min=0, size=True))

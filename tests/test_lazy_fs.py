@@ -323,11 +323,12 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
     nodes = []
     try:
         assert "serving" in region.stdout.readline().decode(), log_path.read_text()
-        url = f"http://127.0.0.1:{port}"
+        url = f"https://127.0.0.1:{port}"  # HTTPS, the CA made at first start, pinned by the nodes
+        ca = str(tmp_path / "region store" / "tls" / "ca.pem")
         origin_before = registry.count("GET", f"/blobs/{python['digest']}")
         datas = []
         for i in range(2):
-            n = RemoteLayers(str(tmp_path / f"node {i}"), {"region_url": url})
+            n = RemoteLayers(str(tmp_path / f"node {i}"), {"region_url": url, "region_ca": ca})
             nodes.append(n)
             path = Path(n.prepare("t", "", layer_labels(ref, python)).path)
             datas.append((path / "usr/bin/python3.11").read_bytes())
@@ -338,7 +339,7 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
         # the nodes fetched the TOC from the origin themselves (2 small range GETs); the
         # region fetched the blob once for everything else
         assert gets - origin_before[0] <= 3
-        status = requests.get(f"{url}/-/status", timeout=10).json()
+        status = requests.get(f"{url}/-/status", timeout=10, verify=ca).json()
         assert status["hits"] > 0
         region.send_signal(signal.SIGTERM)
         region.wait(timeout=20)

@@ -174,12 +174,39 @@ def test_ranks_split_the_first_fetch():
     table = PeerTable(rank_ttl=10)
     ih = b"\2" * 20
     ips = [f"10.0.0.{i}" for i in range(1, 6)]
+    for ip in ips:
+        table.announce(ih, ip, 6881, 100, "started", 50, now=0)
     assert [table.rank(ih, ip, 6881, now=0) for ip in ips] == [(i, i + 1) for i in range(5)]
     assert table.rank(ih, ips[2], 6881, now=1) == (2, 5)
     table.announce(ih, ips[1], 6881, 0, "completed", 50, now=2)
     assert table.rank(ih, ips[4], 6881, now=3) == (1, 4)  # took the leaver's rank
     assert table.rank(ih, ips[2], 6881, now=3) == (2, 4)  # unchanged
     assert table.rank(ih, ips[2], 6881, now=14) == (0, 1)  # the others stopped asking
+
+
+def test_tracker_ranks_only_announced_peers_and_stays_bounded():
+    """A rank needs an announce from the same address (and port); one address announces
+    few ports; the table forgets the least recently announced swarm to make room."""
+    table = PeerTable(max_swarms=3, max_ports_per_ip=2)
+    ih = b"\3" * 20
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.1", 6881, now=0)
+    table.announce(ih, "10.0.0.1", 6881, 100, "started", 50, now=0)
+    assert table.rank(ih, "10.0.0.1", None, now=0) == (0, 1)  # the port from the announce
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.1", 7000, now=0)  # a port of its own choosing counts for nothing
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.2", 6881, now=0)  # nor another address's
+    table.announce(ih, "10.0.0.1", 6882, 100, "started", 50, now=0)
+    with pytest.raises(ValueError, match="more than 2 ports"):
+        table.announce(ih, "10.0.0.1", 6883, 100, "started", 50, now=0)
+    assert table.statistics()["peers"] == 2 and table.statistics()["refused"] == 4
+    for i in range(4, 10):
+        table.announce(bytes([i]) * 20, "10.0.0.1", 6881, 100, "started", 50, now=1)
+        table.announce(ih, "10.0.0.1", 6881, 100, "", 50, now=1)  # keeps ih the most recent
+    stats = table.statistics()
+    assert stats["swarms"] == 3 and stats["swarms_evicted"] == 4 and stats["ranked_swarms"] == 1
+    assert table.rank(ih, "10.0.0.1", 6881, now=2) == (0, 1)
 
 
 def test_jump_hash_is_balanced_and_moves_little():

@@ -335,32 +335,32 @@ def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes)
 
 
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
-def test_aria2_downloads_from_the_swarm(world, nodes):
-    """(4) A stock BitTorrent client, with only the metadata the region publishes, gets
-    the blob from two `shoal node`s that downloaded it (bulk); the file hashes to the
-    blob digest."""
+def test_aria2_without_the_node_token_gets_nothing(world, nodes):
+    """(4) A stock BitTorrent client with only the .torrent the region publishes (and so
+    the tracker's address, but not the region's node token) is refused by the tracker
+    and gets no byte of the blob from the two `shoal node`s seeding it."""
     image, _ = world.image({"a.bin": 12 * MiB})
     [layer] = image.layers
-    digest, size = layer["digest"], layer["size"]
+    digest = layer["digest"]
     seeders = nodes(2)
     _provide(world, seeders, image)
     for node in seeders:
         node.download(digest)
-    region_before = world.region_bytes()
+    unauthorized = world.region.status(world.lab)["swarm"]["unauthorized"]
+    uploaded = [node.status()["fetch"]["bytes_to_peers"] for node in seeders]
     out = world.workdir / f"aria2-{digest[7:19]}"
     out.mkdir()
     (out / "blob.torrent").write_bytes(image.torrents[digest])
     proc = world.lab.run(world.hosts[4], [
         "aria2c", "--dir", str(out / "data"), "--seed-time=0", "--enable-dht=false", "--enable-dht6=false",
         "--bt-enable-lpd=false", "--enable-peer-exchange=false", "--listen-port=6891",
-        "--bt-stop-timeout=60", "--summary-interval=0", "--console-log-level=warn", "--check-certificate=false",
-        str(out / "blob.torrent")], timeout=90)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    files = list((out / "data").iterdir())
-    assert [f.name for f in files] == ["sha256-" + digest[7:]]
-    assert "sha256:" + _sha256_file(files[0]) == digest
-    assert world.region_bytes() - region_before < size // 10  # from the shoal nodes, not the region
-    assert sum(node.status()["fetch"]["bytes_to_peers"] for node in seeders) >= size
+        "--bt-stop-timeout=8", "--summary-interval=0", "--console-log-level=warn",
+        f"--ca-certificate={world.region.ca}", str(out / "blob.torrent")], timeout=90)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    blob = out / "data" / ("sha256-" + digest[7:])
+    assert not blob.exists() or not blob.read_bytes().strip(b"\0"), "aria2 got bytes of the blob"
+    assert world.region.status(world.lab)["swarm"]["unauthorized"] > unauthorized  # it asked, and was refused
+    assert [node.status()["fetch"]["bytes_to_peers"] for node in seeders] == uploaded
 
 
 def test_node_and_region_metrics(world, nodes):

@@ -472,6 +472,9 @@ def test_config_defaults_and_errors(tmp_path):
         ("[snapshotter]\ngrpc_threads = 0\n", "must be between 1 and 1024"),
         ("[snapshotter\n", "not valid TOML"),
         ("[metrics]\naddress = 'localhost'\n", "metrics.address = 'localhost': want HOST:PORT"),
+        (f"[fetch]\nregion_ca = '{tmp_path}/no-ca.pem'\n", "fetch.region_ca"),
+        (f"[fetch]\nregion_token_file = '{tmp_path}/no-token'\n", "fetch.region_token_file"),
+        ("[fetch]\nregion_plain_http_credentials = 'yes'\n", "must be true or false"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

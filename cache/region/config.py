@@ -10,6 +10,11 @@ Every option, with its default (an empty file, or none, gives these):
     origin_verify_tls = true       # check the origin's TLS certificate
     io_threads = 32                # worker threads for file and S3 I/O (never on the event loop)
     block_size = "1M"              # bytes per read/write when streaming blobs
+    plain_http = false             # serve plain HTTP instead of HTTPS (--plain-http; loopback listen only)
+    tls_cert = ""                  # PEM certificate (chain) to serve; "" = the region's own (below)
+    tls_key = ""                   # its private key
+    tls_dir = ""                   # the region's own CA and certificate; "" = <store>/tls
+    tls_names = []                 # more names/addresses its own certificate covers (beside the listen host)
 
     [disk]
     capacity = ""                  # bytes ("500G"); empty: the recorded one, else 20% of free disk
@@ -29,6 +34,9 @@ Every option, with its default (an empty file, or none, gives these):
     ttl = 60.0                     # seconds an allowed (credentials, repository) is remembered
     negative_ttl = 5.0             # seconds a refusal is remembered
 
+    [nodes]
+    token_file = ""                # the secret nodes present to /p2p/v1/ (made at first start); "" = <tls_dir>/node-token
+
 Every value is checked at start (type and range; shoal/config.py): a bad one stops the
 region with one line naming the key. An unknown key is a warning naming it.
 """
@@ -39,6 +47,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.oci.registry import is_loopback
 from shoal.config import host_port_check, limits, load, split_host_port, url_check
 from shoal.errors import UsageError
 
@@ -72,6 +81,11 @@ class AuthConfig:
 
 
 @dataclass
+class NodesConfig:
+    token_file: str = ""
+
+
+@dataclass
 class RegionConfig:
     listen: str = field(default="127.0.0.1:5080", metadata=limits(check=host_port_check))
     origin: str = field(default="", metadata=limits(check=url_check(path=False)))
@@ -81,9 +95,15 @@ class RegionConfig:
     origin_verify_tls: bool = True
     io_threads: int = field(default=32, metadata=limits(min=1, max=1024))
     block_size: int = field(default=1 << 20, metadata=limits(min=4096, max=64 << 20, size=True))
+    plain_http: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_dir: str = ""
+    tls_names: list[str] = field(default_factory=list)
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
     # The swarm's tracker and torrent metadata at /p2p/v1/ (p2p/, docs/p2p.md); metadata is
     # served only to clients the origin would serve the blob to.
     swarm: bool = True
@@ -109,6 +129,15 @@ class RegionConfig:
             }
         raise UsageError(f"unknown backend {self.backend!r} (want disk or s3)")
 
+    @property
+    def state_dir(self) -> str:
+        """The region's own CA, certificate and node token (0700)."""
+        return self.tls_dir or str(Path(self.store) / "tls")
+
+    @property
+    def token_path(self) -> str:
+        return self.nodes.token_file or str(Path(self.state_dir) / "node-token")
+
 
 def load_config(path: str | None = None, **overrides: object) -> RegionConfig:
     """Defaults, then the TOML file (if any), then non-None overrides (the flags); every
@@ -116,4 +145,9 @@ def load_config(path: str | None = None, **overrides: object) -> RegionConfig:
     config = load(RegionConfig, path, overrides, log)
     if not config.origin:
         raise UsageError("an origin registry is required (--origin URL or origin = in the config)")
+    if config.plain_http and not is_loopback(config.listen_address[0]):
+        raise UsageError(f"plain HTTP (--plain-http) only on a loopback address, not {config.listen}: "
+                         "nodes send registry credentials to the region")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise UsageError("config: tls_cert and tls_key go together")
     return config

@@ -251,8 +251,13 @@ class Fill:
 class RegionCache:
     """The region cache service for one origin and one backend."""
 
-    def __init__(self, config: RegionConfig, backend: Backend) -> None:
+    def __init__(self, config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "") -> None:
+        """tls: the cache.region.tls.RegionTLS it serves with (None: plain HTTP);
+        node_token: the secret the swarm service's callers must present ("" = none asked:
+        in-process tests only; `shoal region` always has one)."""
         self.config = config
+        self.tls = tls
+        self.node_token = node_token
         self.backend = backend
         self.upstream = Upstream(config.origin, timeout=config.origin_timeout,
                                  verify_tls=config.origin_verify_tls)
@@ -317,8 +322,22 @@ class RegionCache:
         from p2p.tracker.server import SERVICE_KEY
 
         host, port = self.config.listen_address
+        scheme = "https" if self.tls else "http"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # a name its certificate has
+        if ":" in host:
+            host = f"[{host}]"
+        from cache.region.tls import PeerCA, client_context
+
+        try:
+            peer_ca = PeerCA(self.config.state_dir)
+        except ImportError:
+            peer_ca = None
+            log.warning("the cryptography package is missing: the swarm runs without peer certificates "
+                        "(any peer that knows a torrent can get its pieces)")
         sub = mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
-                              self_url=f"http://{host}:{port}", authorize=authorize)
+                              self_url=f"{scheme}://{host}:{port}", authorize=authorize,
+                              self_ssl=client_context(self.tls.ca) if self.tls else None,
+                              node_token=self.node_token, peer_ca=peer_ca)
         self.swarm = sub[SERVICE_KEY]
 
     async def _on_startup(self, app: web.Application) -> None:
@@ -350,7 +369,10 @@ class RegionCache:
             backend = await self._run(self.backend.statistics)
         except BackendError as exc:
             backend = {"error": str(exc)}
-        return web.json_response({"origin": self.upstream.url, **self.statistics(), "backend": backend})
+        out = {"origin": self.upstream.url, **self.statistics(), "backend": backend}
+        if self.swarm is not None:
+            out["swarm"] = self.swarm.statistics()
+        return web.json_response(out)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
@@ -807,6 +829,15 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
             ("shoal_region_tracker_peers", g, "Peers the tracker knows, over all blobs.", swarm["peers"]),
             ("shoal_region_tracker_downloaders", g, "Peers downloading a blob whole (ranked).", swarm["downloading"]),
             ("shoal_region_tracker_announces_total", c, "Tracker announces.", swarm["announces"]),
+            ("shoal_region_tracker_ranked_torrents", g, "Blobs with ranked downloaders.", swarm["ranked_swarms"]),
+            ("shoal_region_tracker_evicted_total", c, "Swarms forgotten to keep the table bounded.",
+             swarm["swarms_evicted"]),
+            ("shoal_region_tracker_refused_total", c, "Announces and rank requests refused (bounds, unknown peer).",
+             swarm["refused"]),
+            ("shoal_region_swarm_unauthorized_total", c, "Swarm service calls without the node token.",
+             swarm["unauthorized"]),
+            ("shoal_region_peer_certs_total", c, "Peer certificates by outcome.",
+             [({"result": "issued"}, swarm["certs_issued"]), ({"result": "refused"}, swarm["certs_refused"])]),
             ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
             ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
         ]
@@ -883,13 +914,16 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(config: RegionConfig, backend: Backend, host: str, port: int) -> RunningServer:
-    """Start serving on host:port (0: any free port). The backend is closed on stop()."""
-    cache = RegionCache(config, backend)
+async def start_server(config: RegionConfig, backend: Backend, host: str, port: int, *, tls=None,
+                       node_token: str = "") -> RunningServer:
+    """Start serving on host:port (0: any free port), over HTTPS with `tls` (a
+    cache.region.tls.RegionTLS), else plain HTTP. The backend is closed on stop()."""
+    cache = RegionCache(config, backend, tls=tls, node_token=node_token)
     runner = web.AppRunner(cache.app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = web.TCPSite(runner, host, port, reuse_address=True,
+                           ssl_context=tls.server_context() if tls else None)
         await site.start()
     except BaseException:
         await runner.cleanup()
