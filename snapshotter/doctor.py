@@ -19,8 +19,6 @@ import stat
 import subprocess
 import sys
 import tomllib
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 
 from shoal.errors import ShoalError
@@ -190,15 +188,21 @@ def check_region(node_config: str | None) -> Check:
     url = config.fetch.region_url.rstrip("/")
     if not url:
         return Check("region", OK, "no region configured ([fetch] region_url): chunks come from peers and the origin")
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    import requests
+
+    from cache.region.client import RegionLink
+
     try:
-        opener.open(url + "/healthz", timeout=5).close()
-    except urllib.error.HTTPError as e:
-        if e.code >= 500:
-            return Check("region", FAIL, f"{url} answers {e.code}", "the region's log (journalctl -u shoal-region)")
-    except (OSError, ValueError) as e:
-        return Check("region", FAIL, f"{url} is not reachable: {getattr(e, 'reason', e)}",
+        link = RegionLink.from_config(asdict(config.fetch))
+        status = link.session().get(url + "/healthz", timeout=5).status_code
+    except requests.exceptions.SSLError as e:
+        return Check("region", FAIL, f"{url}: its certificate is not trusted ({str(e)[:120]})",
+                     "pin the region's CA with [fetch] region_ca = <its STORE/tls/ca.pem>")
+    except (requests.RequestException, OSError, ValueError) as e:
+        return Check("region", FAIL, f"{url} is not reachable: {str(e)[:160]}",
                      "check [fetch] region_url and that shoal region runs")
+    if status >= 500:
+        return Check("region", FAIL, f"{url} answers {status}", "the region's log (journalctl -u shoal-region)")
     return Check("region", OK, f"{url} answers")
 
 

@@ -628,6 +628,10 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
                 r = requests.get(call, headers=headers, timeout=30, verify=ca)
                 assert r.status_code == 401 and "node token" in r.text, (call, headers, r.status_code)
         assert requests.get(url, headers=node, timeout=30, verify=ca).status_code == 401  # no registry credentials
+        # a bad-bytes report makes the region re-hash its copy: only its nodes may ask
+        check = f"https://127.0.0.1:{port}/-/check/{digest}"
+        assert requests.post(check, headers={"X-Shoal-Node-Token": "guess"}, timeout=30, verify=ca).status_code == 401
+        assert requests.post(check, headers=node, timeout=30, verify=ca).status_code == 202
         # rank: the address the region sees, and only a port that address announced
         assert requests.get(f"{base}/rank?info_hash={ih}&port=7000", headers=node, timeout=30,
                             verify=ca).status_code == 400

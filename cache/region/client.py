@@ -33,6 +33,7 @@ import urllib3
 from builder.oci.auth import find_credentials
 from builder.oci.registry import is_loopback
 from cache.origin import merge_ranges, slice_spans
+from cache.region.tls import TOKEN_HEADER
 from cache.source import BlobRef, NotHere, Source
 from shoal.errors import ShoalError, TransportError
 
@@ -174,14 +175,13 @@ class RegionSource(Source):
 
     def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
         url = f"{self.url}/-/check/{blob.digest}"
+        headers = {TOKEN_HEADER: self.link.token} if self.link.token else {}
 
         def send() -> None:
-            with requests.Session() as session:
-                session.trust_env = False
-                try:
-                    session.post(url, timeout=self._timeouts)
-                except requests.RequestException as exc:
-                    log.debug("region %s: cannot report %s: %s", self.url, blob, exc)
+            try:
+                self._session().post(url, headers=headers, timeout=self._timeouts)
+            except requests.RequestException as exc:
+                log.debug("region %s: cannot report %s: %s", self.url, blob, exc)
 
         threading.Thread(target=send, name="region-report", daemon=True).start()
 

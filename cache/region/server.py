@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ from aiohttp import web
 
 from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
 from cache.region.config import RegionConfig
+from cache.region.tls import TOKEN_HEADER
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
 from shoal.metrics import CONTENT_TYPE, render
@@ -628,6 +630,9 @@ class RegionCache:
         digest = request.match_info["digest"]
         if not is_digest(digest):
             raise web.HTTPBadRequest(text=f"invalid digest {digest[:100]!r}\n")
+        expected = self.node_token.encode()
+        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
+            raise web.HTTPUnauthorized(text="a bad-bytes report needs the region's node token\n")
         now = time.monotonic()
         if now - self._reported.get(digest, -RECHECK_EVERY) >= RECHECK_EVERY:
             if len(self._reported) >= _MAX_REMEMBERED:

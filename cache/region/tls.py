@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from shoal.errors import ShoalError
 
+TOKEN_HEADER = "X-Shoal-Node-Token"  # the region's node token, on swarm calls and bad-bytes reports
 _CA_DAYS = 3650
 _SERVER_DAYS = 365
 _RENEW_DAYS = 30
