@@ -6,7 +6,6 @@ its PID.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import secrets
@@ -216,7 +215,12 @@ class ContainerdServer:
     def ctr(
         self, *args: str, check: bool = True, namespace: str = CTR_NAMESPACE, timeout: float = 120,
     ) -> subprocess.CompletedProcess:
-        cmd = [CTR_BIN, "--address", self.address, "--namespace", namespace, *map(str, args)]
+        args = tuple(map(str, args))
+        if args[:1] == ("run",) and "--runc-root" not in args:
+            # runc's state and the IO FIFOs inside the work directory: containerd's defaults
+            # (/run/containerd/runc/NAMESPACE) are shared with every other containerd here
+            args = ("run", "--runc-root", str(self.runc_root), "--fifo-dir", str(self.fifo_dir), *args[1:])
+        cmd = [CTR_BIN, "--address", self.address, "--namespace", namespace, *args]
         proc = subprocess.run(
             cmd, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
             encoding="utf-8", errors="surrogateescape",

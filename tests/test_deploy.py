@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -444,8 +445,11 @@ def test_doctor_checks_the_cri_settings(tmp_path):
 # --- health endpoints ------------------------------------------------------------------------
 
 
-def http_get(url: str) -> tuple[int, str]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def http_get(url: str, ca: str | None = None) -> tuple[int, str]:
+    handlers = [urllib.request.ProxyHandler({})]
+    if ca:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)))
+    opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(url, timeout=10) as r:
             return r.status, r.read().decode()
@@ -483,17 +487,18 @@ def test_region_healthz_and_readyz(module_registry, tmp_path):
              module_registry.url, "--store", str(tmp_path / "store"), "--config", str(config)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(url + "/healthz"), "the region to answer", timeout=30)
-        assert http_get(url + "/healthz") == (200, "ok\n")
-        assert http_get(url + "/readyz") == (200, "ok\n")
+        url = f"https://127.0.0.1:{port}"  # the region's default: HTTPS with a CA of its own
+        ca = str(tmp_path / "store" / "tls" / "ca.pem")
+        wait_for(lambda: os.path.exists(ca) and _answers(url + "/healthz", ca), "the region to answer", timeout=30)
+        assert http_get(url + "/healthz", ca) == (200, "ok\n")
+        assert http_get(url + "/readyz", ca) == (200, "ok\n")
     finally:
         stop_process(proc)
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, ca: str | None = None) -> bool:
     try:
-        return http_get(url)[0] == 200
+        return http_get(url, ca)[0] == 200
     except OSError:
         return False
 
