@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
 
 log = logging.getLogger("shoal.node")
@@ -56,6 +57,17 @@ class FetchConfig:
     memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
     readahead_kb: int = 1024  # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
+    prove_lazy: bool = True  # read each lazy layer's whole blob in the background and check its diff_id (chainproof.py); false: chain ids are trusted
+    prove_after: float = 30.0  # seconds from a lazy layer's prepare to the start of its background proof
+    prove_timeout: float = 600.0  # seconds a container's prepare waits for a proof it needs (a chain another image names with another blob)
+
+
+@dataclass
+class ContainerdConfig:
+    """[containerd]: the containerd this node serves (the proofs ask it which images name a chain)."""
+
+    address: str = DEFAULT_CONTAINERD_ADDRESS
+    snapshotter: str = "shoal"  # this node's name in containerd's [proxy_plugins]
 
 
 @dataclass
@@ -85,6 +97,13 @@ class NodeConfig:
     # when the layer file system starts; `enabled = true` turns it on).
     swarm: dict = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
+
+    def proofs(self):
+        from snapshotter.chainproof import ProofConfig
+
+        return ProofConfig(self.fetch.prove_lazy, self.fetch.prove_after, self.fetch.prove_timeout,
+                           self.containerd.address, self.containerd.snapshotter)
 
 
 def _typed(value: object, hint: object, where: str) -> object:
@@ -144,6 +163,8 @@ def load_config(path: str | Path | None) -> NodeConfig:
         raise ShoalError(f"{path}: {e}") from None
     if config.snapshotter.grpc_threads < 1:
         raise ShoalError(f"{path}: snapshotter.grpc_threads must be at least 1")
+    if config.fetch.prove_after < 0 or config.fetch.prove_timeout <= 0:
+        raise ShoalError(f"{path}: fetch.prove_after must be >= 0 and fetch.prove_timeout > 0")
     try:
         config.metrics.host_port()
     except ShoalError as e:
@@ -185,7 +206,7 @@ class Node:
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._lock_root()
-            self.snapshotter = LocalSnapshotter(self.root, remote=self.remote)
+            self.snapshotter = LocalSnapshotter(self.root, remote=self.remote, proofs=self.config.proofs())
             self.snapshotter.recover()
             if self.remote is not None and hasattr(self.remote, "start"):
                 self.remote.start()
