@@ -75,6 +75,7 @@ LABEL_IMAGE_REF = "containerd.io/snapshot/shoal.image-ref"
 LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 RETRY_FIRST, RETRY_MAX = 60.0, 3600.0  # seconds between failed background attempts
+BAD_REMOVAL_WAIT = 5.0  # seconds a Prepare that finds a bad target waits for the worker to remove it
 BAD_SWEEP = 10.0  # seconds between looks for bad chains no container uses any more
 BACKGROUND_TIMEOUT = 6 * 3600.0  # a background proof of a huge blob at low priority
 
@@ -130,11 +131,12 @@ def _as_layer(rec: Record) -> RemoteLayer:
 class ChainProofs:
     """The proofs of one node's lazy snapshots (see the module docstring). Thread-safe.
 
-    `remove(name)` removes a committed snapshot from the snapshotter (LocalSnapshotter.remove);
+    `remove(name, id)` removes a snapshot from the snapshotter if it still has that id
+    (LocalSnapshotter.remove);
     containerd's images and metadata are reached at `config.containerd_address`."""
 
     def __init__(self, db: MetaStore, remote: RemoteLayers, config: ProofConfig,
-                 remove: Callable[[str], None]) -> None:
+                 remove: Callable[[str, int], None]) -> None:
         self.db, self.remote, self.config, self._remove = db, remote, config, remove
         self._containerd = ContainerdImages(config.containerd_address, config.snapshotter)
         self._dropping = threading.local()
@@ -194,23 +196,37 @@ class ChainProofs:
                 f"is diff_id {diff_id} (proven on this node), which gives chain {expected}")
         return {LABEL_PROOF: PROVEN, LABEL_DIFF_ID: diff_id}
 
-    def check_existing(self, existing: Record, labels: dict[str, str]) -> None:
+    def check_existing(self, existing: Record, labels: dict[str, str]) -> bool:
         """A remote Prepare finds its target committed already (another namespace, or
         containerd lost its record): the layer it names must be the one the target was
-        provided from, or the target's proof must say the content is the same.
-        FailedPrecondition when it is bad (removed soon, when unused: a later pull
-        provides it anew) or cannot be proven now."""
+        provided from, or the target's proof must say the content is the same. True:
+        use it. False: it was bad and the worker removed it meanwhile (a few seconds at
+        most when no container uses it): provide it anew. FailedPrecondition when it is
+        bad and stays, or cannot be proven now."""
         if not self.config.enabled:
-            return
+            return True
         key = labels.get(LABEL_IMAGE_REF) or labels.get(LABEL_CRI_IMAGE_REF) or "a pull"
-        if proof_of(existing) == BAD:
-            self.request_sweep()
-            raise FailedPrecondition(self._bad_line(existing, key))
         named = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
         blob = existing.labels.get(LABEL_LAYER_DIGEST)
-        if proof_of(existing) != PENDING or not named or named == blob:
-            return
-        self._require_proof(existing, key, named, "")
+        if proof_of(existing) == PENDING and named and named != blob:
+            try:
+                self._require_proof(existing, key, named, "")
+                return True
+            except FailedPrecondition:
+                with self.db.read() as tx:
+                    existing = tx.find(existing.key) or existing
+                if proof_of(existing) != BAD:
+                    raise
+        if proof_of(existing) != BAD:
+            return True
+        self.request_sweep()
+        deadline = time.monotonic() + BAD_REMOVAL_WAIT
+        while time.monotonic() < deadline:
+            with self.db.read() as tx:
+                if tx.find(existing.key) is None:
+                    return False
+            time.sleep(0.1)
+        raise FailedPrecondition(self._bad_line(existing, key))
 
     def _require_proof(self, rec: Record, image: str, named: str, doing: str) -> None:
         """`image` names layer `named` for pending chain `rec`, which was provided from
@@ -367,8 +383,8 @@ class ChainProofs:
             return  # removed() of a snapshot this very call removes
         with self.db.read() as tx:
             rec = tx.find(name)
-            if rec is None:
-                return
+            if rec is None or proof_of(rec) != BAD:
+                return  # gone, or provided anew (and pending) since the caller looked
             subtree, stack = [], [rec]
             while stack:
                 r = stack.pop()
@@ -382,13 +398,17 @@ class ChainProofs:
         self._dropping.active = True
         try:
             for r in reversed(subtree):  # children before parents
+                with self.db.read() as tx:
+                    now = tx.find(r.key)
+                if now is None or now.id != r.id:
+                    continue  # removed meanwhile (containerd's garbage collection), perhaps provided anew
                 try:
                     if r.kind == Kind.COMMITTED:
                         self._containerd.forget(r.key)
                 except (ShoalError, OSError) as e:
                     log.warning("cannot remove snapshot %s from containerd: %s", r.key, e)
                 try:
-                    self._remove(r.key)
+                    self._remove(r.key, r.id)
                     log.warning("removed %s (%s): it stands on a bad lazy layer", chain_of(r), r.key)
                 except ShoalError as e:
                     log.error("cannot remove bad chain %s: %s", r.key, e)

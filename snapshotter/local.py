@@ -226,9 +226,11 @@ class LocalSnapshotter:
         with self._db.write() as tx:
             return tx.update(info.name, dict(info.labels), list(fieldpaths)).info()
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: str, expect_id: int | None = None) -> None:
+        """Snapshotter.remove; with `expect_id`, only while `key` is still that snapshot
+        (NotFound else): a removal decided earlier never takes one made since."""
         with self._db.write() as tx:
-            rec = tx.remove(key)
+            rec = tx.remove(key, expect_id)
             # One layer (one blob) can stand in several chains: release it with the last.
             shared = rec.remote and any(r.layer_path == rec.layer_path for r in tx.all())
         # The row is gone for good; what follows only frees resources, and what it fails
@@ -352,10 +354,11 @@ class LocalSnapshotter:
             if existing is not None:
                 if (existing.kind == Kind.COMMITTED and existing.parent == parent
                         and existing.labels.get(LABEL_SNAPSHOT_REF) == target):
-                    if self.proofs is not None:
-                        self.proofs.check_existing(existing, labels)  # may wait for a proof
-                    raise AlreadyExists(f"target snapshot {target!r} already exists")
-                return
+                    # may wait for a proof; False: it was bad and is gone, provide it anew
+                    if self.proofs is None or self.proofs.check_existing(existing, labels):
+                        raise AlreadyExists(f"target snapshot {target!r} already exists")
+                else:
+                    return
             layer = self._remote.prepare(target, parent, dict(labels))
             if layer is None:
                 return

@@ -265,8 +265,10 @@ class Tx:
         self._conn.execute("INSERT OR IGNORE INTO proofs (digest, diff_id, proven_ns) VALUES (?, ?, ?)",
                            (digest, diff_id, now_ns()))
 
-    def remove(self, key: str) -> Record:
+    def remove(self, key: str, expect_id: int | None = None) -> Record:
         rec = self.get(key)
+        if expect_id is not None and rec.id != expect_id:
+            raise NotFound(f"snapshot {key!r} was replaced")
         if self.has_children(rec):
             raise FailedPrecondition(f"cannot remove snapshot {key!r}: other snapshots use it as their parent")
         self._conn.execute("DELETE FROM snapshots WHERE id = ?", (rec.id,))

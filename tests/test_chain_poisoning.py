@@ -202,7 +202,7 @@ def test_lazy_poisoning_through_cri_pull_fails_the_victims_start_then_heals(imag
                      "the bad chain's removal", timeout=30, interval=0.2)
             cri.pull_image(images["victim-lazy"])
             proc = run(ctd, images["victim-lazy"], "poison-cri-v2", namespace=CRI_NS)
-            assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr
+            assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr + node.log_path.read_text()[-20000:]
         finally:
             cri.close()
 
