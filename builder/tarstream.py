@@ -374,17 +374,92 @@ def clean_name(name: str, untrusted: bool = False) -> str:
 
     "" stands for the root itself. Raises FormatError for names with `..` components
     (they escape the root) and, when `untrusted` (names read from a layer), for
-    absolute names too: a layer that needs them is hostile or broken.
+    absolute names and for `.` or empty components inside the name too (`a/./b`,
+    `a//b`): tar writers put `./` only in front and `/` only at the end of a name, so a
+    layer with anything else is hostile or broken.
     """
     if "\0" in name:
         raise FormatError(f"path {name[:80]!r} contains a NUL byte")
     if untrusted and name.startswith("/"):
         raise FormatError(f"path {name[:200]!r} is absolute")
+    body = name.rstrip("/")
+    while body.startswith("./"):
+        body = body[2:]
     parts = []
-    for part in name.split("/"):
+    for part in body.split("/"):
         if part in ("", "."):
+            if untrusted and body not in ("", "."):
+                raise FormatError(f"path {name[:200]!r} has an empty or '.' component")
             continue
         if part == "..":
             raise FormatError(f"path {name[:200]!r} escapes the layer root")
         parts.append(part)
     return "/".join(parts)
+
+
+# OCI whiteouts (image-spec layer.md): `.wh.NAME` deletes NAME from the layers below;
+# `.wh..wh..opq` in a directory hides everything the layers below have in it.
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_WHITEOUT = ".wh..wh..opq"
+# Types a hard link may point to (an earlier entry of the same layer).
+LINKABLE = ("reg", "symlink", "char", "block", "fifo")
+
+
+def whiteout_target(name: str) -> str | None:
+    """The name a whiteout entry `name` (a clean path) deletes, in the same directory;
+    "" for an opaque marker; None when `name` is no whiteout. Raises FormatError when the
+    whited-out name is not a single component of its own directory (`.wh.`, `.wh..`,
+    `.wh...`: they would name the directory itself or its parent)."""
+    parent, _, base = name.rpartition("/")
+    if not base.startswith(WHITEOUT_PREFIX):
+        return None
+    if base == OPAQUE_WHITEOUT:
+        return ""
+    target = base[len(WHITEOUT_PREFIX):]
+    if target in ("", ".", ".."):
+        raise FormatError(f"whiteout {base!r} names no file of its directory")
+    return f"{parent}/{target}" if parent else target
+
+
+class LayerEntries:
+    """The rules every entry of an untrusted layer obeys, wherever shoal reads one
+    (`shoal convert`, the node's unpack): feed the entries in order to admit(), which
+    returns the entry's clean name or raises FormatError.
+
+    - names: clean_name(untrusted=True) (no `..`, no absolute names, no `.` or empty
+      components); the root ("") only as a directory;
+    - no name twice, except a directory again (its metadata is applied once more);
+    - whiteouts only of a valid name in their own directory (whiteout_target), never a
+      directory themselves, and no entry below a whiteout name;
+    - hard links only to an earlier entry of this layer that is not a directory, a hard
+      link or a whiteout.
+    The checker never touches a file system; what a name resolves to on disk (symlinks
+    in its parents) is the writer's business (snapshotter/unpack.py opens every parent
+    without following links).
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}  # clean name -> entry type ("whiteout" for whiteouts)
+
+    def admit(self, name: str, type: str, linkname: str = "") -> str:
+        clean = clean_name(name, untrusted=True)
+        if not clean and type != "dir":
+            raise FormatError("the layer root must be a directory")
+        parent = clean.rpartition("/")[0]
+        if any(part.startswith(WHITEOUT_PREFIX) for part in parent.split("/")):
+            raise FormatError("a whiteout name cannot hold entries")
+        kind = type
+        if whiteout_target(clean) is not None:
+            if type == "dir":
+                raise FormatError("a whiteout cannot be a directory")
+            kind = "whiteout"
+        if type == "hardlink":
+            target = clean_name(linkname, untrusted=True)
+            if self.seen.get(target) not in LINKABLE:
+                raise FormatError(f"hard link to {linkname[:200]!r}, which is not an earlier entry of the layer "
+                                  "(a file, symlink, fifo or device)")
+        previous = self.seen.get(clean)
+        if previous is not None and not (previous == "dir" and type == "dir"):
+            raise FormatError("duplicate entry: the layer has this name twice")
+        self.seen[clean] = kind
+        return clean

@@ -56,7 +56,7 @@ import pyfastcdc
 import zstandard
 
 from builder import tarsplit
-from builder.tarstream import TarEntry, TarReader, clean_name
+from builder.tarstream import LayerEntries, TarEntry, TarReader, clean_name
 from shoal.digest import check_digest, is_digest
 from shoal.errors import DigestMismatch, FormatError
 
@@ -327,7 +327,7 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
         check_digest(ts_digest, "TOC tarSplitDigest")
 
     entries: list[Entry] = []
-    seen: dict[str, Entry] = {}
+    rules = LayerEntries()
     current: Entry | None = None  # the reg entry whose chunk entries may follow
 
     def close_file() -> None:
@@ -376,13 +376,12 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
                 e.xattrs[k] = base64.b64decode(v, validate=True)
             except ValueError:
                 raise FormatError(f"TOC entry {name!r}: xattr {k[:40]!r} is not base64") from None
+        try:
+            rules.admit(raw_name, e.type, e.linkname)
+        except FormatError as err:
+            raise FormatError(f"TOC entry {name!r}: {err}") from None
         if e.type == "hardlink":
             e.linkname = clean_name(e.linkname, untrusted=True)
-            target = seen.get(e.linkname)
-            if not e.linkname or target is None:
-                raise FormatError(f"TOC entry {name!r}: hard link to {e.linkname!r}, which is not an earlier entry")
-            if target.type in ("dir", "hardlink"):
-                raise FormatError(f"TOC entry {name!r}: hard link to a {target.type}")
         elif e.type == "symlink" and not e.linkname:
             raise FormatError(f"TOC entry {name!r}: symlink without a target")
         if e.type == "reg" and e.size:
@@ -392,10 +391,6 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
             current = e
         elif e.type != "reg":
             e.size = 0
-        previous = seen.get(name)
-        if previous is not None and not (previous.type == "dir" and e.type == "dir"):
-            raise FormatError(f"TOC has a duplicate entry {name!r}")
-        seen[name] = e
         entries.append(e)
     close_file()
     return Toc(entries, ts_digest)
@@ -586,7 +581,7 @@ class LayerWriter:
         sys.setswitchinterval(min(switch, 0.0005))
         split = tarsplit.TarSplitWriter()
         records: list[_FileRecord] = []
-        seen: dict[str, str] = {}  # clean name -> type
+        entries = LayerEntries()
         meta = bytearray()
         batch: list[_Piece] = []
         batch_bytes = 0
@@ -635,7 +630,7 @@ class LayerWriter:
                 raw, entry = item
                 split.segment(raw)
                 meta += raw
-                self._check_entry(entry, seen)
+                self._check_entry(entry, entries)
                 record = _FileRecord(entry)
                 records.append(record)
                 crc = None
@@ -701,20 +696,14 @@ class LayerWriter:
             chunk_digests={p.digest: size for r in records for p, size in zip(r.pieces, r.sizes)},
         )
 
-    def _check_entry(self, entry: TarEntry, seen: dict[str, str]) -> None:
-        name = clean_name(entry.name, untrusted=True)
-        if entry.type == "hardlink":
-            target = clean_name(entry.linkname, untrusted=True)
-            if seen.get(target) not in ("reg", "symlink", "char", "block", "fifo"):
-                raise FormatError(f"tar entry {entry.name!r}: hard link to {entry.linkname!r}, not an earlier file")
-        previous = seen.get(name)
-        if previous is not None and not (previous == "dir" and entry.type == "dir"):
-            raise FormatError(f"tar has a duplicate entry {entry.name!r}")
-        if not name and entry.type != "dir":
-            raise FormatError(f"tar entry {entry.name!r}: the root must be a directory")
+    @staticmethod
+    def _check_entry(entry: TarEntry, entries: LayerEntries) -> None:
+        try:
+            entries.admit(entry.name, entry.type, entry.linkname)
+        except FormatError as e:
+            raise FormatError(f"tar entry {entry.name[:200]!r}: {e}") from None
         if entry.size > MAX_FILE_SIZE:
             raise FormatError(f"tar entry {entry.name!r}: absurd size {entry.size}")
-        seen[name] = entry.type
 
     def _add_payload(
         self, reader: TarReader, record: _FileRecord, add: Callable[[_Piece], None], hasher: _Hasher

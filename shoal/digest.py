@@ -35,3 +35,10 @@ def verify(data: bytes | bytearray | memoryview, expected: str, what: str) -> No
 
 def hex_of(digest: str) -> str:
     return check_digest(digest).split(":", 1)[1]
+
+
+def chain_id(parent_chain: str, diff_id: str) -> str:
+    """containerd's (OCI image-spec's) ChainID of a layer with diff_id on top of the
+    chain parent_chain ("" for the base): ChainID(L0) = DiffID(L0),
+    ChainID(Ln) = sha256(ChainID(Ln-1) + " " + DiffID(Ln))."""
+    return diff_id if not parent_chain else sha256_digest(f"{parent_chain} {diff_id}".encode())

@@ -39,7 +39,6 @@ in the log at start).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import json
 import logging
@@ -48,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal.digest import chain_id
 from shoal.errors import ShoalError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.metadata import MetaStore, Record
@@ -56,7 +56,6 @@ from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
     LABEL_LAYER_DIGEST,
     LABEL_PROOF,
-    LABEL_SNAPSHOT_REF,
     PENDING,
     PROVEN,
     FailedPrecondition,
@@ -89,21 +88,15 @@ class ProofConfig:
     snapshotter: str = "shoal"  # this node's name in containerd's configuration
 
 
-def chain_id(parent_chain: str, diff_id: str) -> str:
-    """containerd's identity.ChainID step."""
-    if not parent_chain:
-        return diff_id
-    return "sha256:" + hashlib.sha256(f"{parent_chain} {diff_id}".encode()).hexdigest()
-
-
-def chain_of(rec: Record) -> str:
-    """The chain id a committed snapshot stands for: its target label (remote layers and
-    containerd's commits carry it), else the last part of containerd's NS/ID/NAME."""
-    ref = rec.labels.get(LABEL_SNAPSHOT_REF)
-    if ref:
-        return ref
-    parts = rec.key.split("/", 2)
-    return parts[2] if len(parts) == 3 and parts[1].isdigit() else rec.key
+def chain_id_of(rec: Record) -> str:
+    """The chain id a committed snapshot stands for, from its record alone: a remote
+    layer is committed under its chain id (the target it was provided, and checked,
+    for); a layer containerd applied itself is committed by its unpacker under the
+    backend name NAMESPACE/SEQ/CHAINID (metadata/snapshot.go createKey), after
+    containerd checked its diff_id. (A snapshot committed under another name, a
+    container's, yields a name no layer's chain id is made from: a remote layer on top
+    of it fails its check instead of being taken for some other chain.)"""
+    return rec.key if rec.remote else rec.key.split("/", 2)[-1]
 
 
 def proof_of(rec: Record) -> str:
@@ -177,18 +170,18 @@ class ChainProofs:
 
     # --- at a remote layer's Prepare
 
-    def labels_for(self, target: str, parent: str, layer: RemoteLayer) -> dict[str, str]:
-        """The proof labels of a lazy layer about to be committed as `target`: PROVEN
+    def labels_for(self, target: str, parent_chain: str, layer: RemoteLayer) -> dict[str, str]:
+        """The proof labels of a lazy layer about to be committed as `target` on the
+        chain `parent_chain` ("" for a base layer): PROVEN
         when its blob's diff_id is known and gives `target`; FailedPrecondition when it
         is known and does not; none (pending) when unknown."""
         if not self.config.enabled or layer.kind != "lazy" or not layer.digest:
             return {}
         with self.db.read() as tx:
             diff_id = tx.proof(layer.digest)
-            parent_rec = tx.find(parent) if parent else None
         if diff_id is None:
             return {}
-        expected = chain_id(chain_of(parent_rec) if parent_rec else "", diff_id)
+        expected = chain_id(parent_chain, diff_id)
         if expected != target:
             self.bad += 1
             raise FailedPrecondition(
@@ -235,15 +228,15 @@ class ChainProofs:
         blob = rec.labels.get(LABEL_LAYER_DIGEST, "")
         self.gate_waits += 1
         log.info("chain %s was provided from layer %s of %s, %s names layer %s there: proving it now",
-                 chain_of(rec), blob, _image_of(rec), image, named)
+                 chain_id_of(rec), blob, _image_of(rec), image, named)
         state, detail = self.prove_now(rec)
         if state == PROVEN:
             return
         if state == BAD:
             raise FailedPrecondition(
-                f"chain {chain_of(rec)} was provided from layer {blob} of {_image_of(rec)}, whose content is not "
+                f"chain {chain_id_of(rec)} was provided from layer {blob} of {_image_of(rec)}, whose content is not "
                 f"that chain ({detail}); {image} names layer {named} there{doing}")
-        raise FailedPrecondition(f"chain {chain_of(rec)} (layer {blob} of {_image_of(rec)}) could not be proven "
+        raise FailedPrecondition(f"chain {chain_id_of(rec)} (layer {blob} of {_image_of(rec)}) could not be proven "
                                  f"for {image}, which names layer {named} there: {detail}")
 
     def provided(self, layer: RemoteLayer, labels: dict[str, str]) -> None:
@@ -266,7 +259,7 @@ class ChainProofs:
         claims = self._claims_for(key, labels)
         for rec in reversed(pending):  # the base first: a bad base fails before upper layers are read
             blob = rec.labels.get(LABEL_LAYER_DIGEST, "")
-            others = [(image, digest) for image, digest in claims.get(chain_of(rec), []) if digest != blob]
+            others = [(image, digest) for image, digest in claims.get(chain_id_of(rec), []) if digest != blob]
             if not others:
                 continue
             image, digest = others[0]
@@ -322,18 +315,18 @@ class ChainProofs:
                 if proof_of(rec) != PENDING or rec.labels.get(LABEL_LAYER_DIGEST) != digest:
                     continue
                 parent = tx.find(rec.parent) if rec.parent else None
-                expected = chain_id(chain_of(parent) if parent else "", diff_id)
-                ok = expected == chain_of(rec)
+                expected = chain_id(chain_id_of(parent) if parent else "", diff_id)
+                ok = expected == chain_id_of(rec)
                 tx.update(rec.key, {LABEL_PROOF: PROVEN if ok else BAD, LABEL_DIFF_ID: diff_id},
                           [f"labels.{LABEL_PROOF}", f"labels.{LABEL_DIFF_ID}"])
                 decided.append((rec, ok, expected))
         for rec, ok, expected in decided:
             if ok:
                 self.proven += 1
-                log.info("chain %s (layer %s of %s): proven, diff_id %s", chain_of(rec), digest, _image_of(rec),
+                log.info("chain %s (layer %s of %s): proven, diff_id %s", chain_id_of(rec), digest, _image_of(rec),
                          diff_id)
             else:
-                self._declare_bad(rec, f"{_image_of(rec)}: layer {digest} was provided as chain {chain_of(rec)}"
+                self._declare_bad(rec, f"{_image_of(rec)}: layer {digest} was provided as chain {chain_id_of(rec)}"
                                        f"{_claimed(rec)}, but its content is diff_id {diff_id}, which gives chain "
                                        f"{expected}")
 
@@ -346,7 +339,7 @@ class ChainProofs:
                     tx.update(rec.key, {LABEL_PROOF: BAD}, [f"labels.{LABEL_PROOF}"])
                     bad.append(rec)
         for rec in bad:
-            self._declare_bad(rec, f"{_image_of(rec)}: layer {digest} of chain {chain_of(rec)}: {reason}")
+            self._declare_bad(rec, f"{_image_of(rec)}: layer {digest} of chain {chain_id_of(rec)}: {reason}")
 
     def _declare_bad(self, rec: Record, reason: str) -> None:
         self.bad += 1
@@ -361,7 +354,7 @@ class ChainProofs:
         self.request_sweep()
 
     def _bad_line(self, rec: Record, key: str) -> str:
-        return (f"chain {chain_of(rec)} (layer {rec.labels.get(LABEL_LAYER_DIGEST, '?')} of {_image_of(rec)}) is bad: "
+        return (f"chain {chain_id_of(rec)} (layer {rec.labels.get(LABEL_LAYER_DIGEST, '?')} of {_image_of(rec)}) is bad: "
                 f"its content is diff_id {rec.labels.get(LABEL_DIFF_ID, '?')}, not what the chain id says: "
                 f"not creating {key} on it")
 
@@ -393,7 +386,7 @@ class ChainProofs:
         # containerd removes a container's snapshot from its own metadata at once and
         # from the snapshotter at its next garbage collection: one it no longer knows is unused
         if any(r.kind != Kind.COMMITTED and self._containerd.knows(r.key) for r in subtree):
-            log.info("bad chain %s stays until no container uses it", chain_of(rec))
+            log.info("bad chain %s stays until no container uses it", chain_id_of(rec))
             return
         self._dropping.active = True
         try:
@@ -409,7 +402,7 @@ class ChainProofs:
                     log.warning("cannot remove snapshot %s from containerd: %s", r.key, e)
                 try:
                     self._remove(r.key, r.id)
-                    log.warning("removed %s (%s): it stands on a bad lazy layer", chain_of(r), r.key)
+                    log.warning("removed %s (%s): it stands on a bad lazy layer", chain_id_of(r), r.key)
                 except ShoalError as e:
                     log.error("cannot remove bad chain %s: %s", r.key, e)
                     return
@@ -496,7 +489,7 @@ class _AnyOther(dict):
 
 
 def _claimed(rec: Record) -> str:
-    return "" if rec.parent else f" (its image's config claims diff_id {chain_of(rec)})"
+    return "" if rec.parent else f" (its image's config claims diff_id {chain_id_of(rec)})"
 
 
 def _image_of_labels(labels: dict[str, str]) -> str:

@@ -43,12 +43,17 @@ def node_status(root: str) -> dict:
 
 def remote_chains(root: str) -> list[dict]:
     """Every remote snapshot (a chain id the node provided) and its proof state."""
-    from snapshotter.chainproof import LABEL_CRI_IMAGE_REF, LABEL_IMAGE_REF, chain_of, proof_of
+    from snapshotter.chainproof import (
+        LABEL_CRI_IMAGE_REF,
+        LABEL_IMAGE_REF,
+        chain_id_of,
+        proof_of,
+    )
     from snapshotter.metadata import read_remote_records
     from snapshotter.snapshotter import LABEL_DIFF_ID, LABEL_LAYER_DIGEST, LABEL_PROOF
 
     return [{
-        "chain": chain_of(rec), "parent": rec.parent, "kind": rec.layer_kind,
+        "chain": chain_id_of(rec), "parent": rec.parent, "kind": rec.layer_kind,
         "layer": rec.labels.get(LABEL_LAYER_DIGEST, ""),
         "image": rec.labels.get(LABEL_IMAGE_REF) or rec.labels.get(LABEL_CRI_IMAGE_REF, ""),
         "proof": proof_of(rec) or rec.labels.get(LABEL_PROOF, ""),

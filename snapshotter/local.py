@@ -40,13 +40,12 @@ from pathlib import Path
 
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
-from snapshotter.chainproof import ChainProofs, ProofConfig
+from snapshotter.chainproof import ChainProofs, ProofConfig, chain_id_of
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
-    LABEL_DIFF_ID,
     LABEL_LAYER_KIND,
-    LABEL_PROOF,
     LABEL_SNAPSHOT_REF,
+    NODE_LABELS,
     AlreadyExists,
     FailedPrecondition,
     Info,
@@ -102,6 +101,7 @@ def disk_usage(path: str | Path) -> Usage:
         except FileNotFoundError:
             continue
     return Usage(size=size, inodes=len(seen))
+
 
 
 class LocalSnapshotter:
@@ -349,8 +349,9 @@ class LocalSnapshotter:
         the Prepare should go on as an ordinary one."""
         with self._target_lock(target):
             with self._db.read() as tx:
-                tx.check_new(Kind.ACTIVE, key, parent)
+                parent_rec = tx.check_new(Kind.ACTIVE, key, parent)
                 existing = tx.find(target)
+            parent_chain = chain_id_of(parent_rec) if parent_rec is not None else ""
             if existing is not None:
                 if (existing.kind == Kind.COMMITTED and existing.parent == parent
                         and existing.labels.get(LABEL_SNAPSHOT_REF) == target):
@@ -359,18 +360,17 @@ class LocalSnapshotter:
                         raise AlreadyExists(f"target snapshot {target!r} already exists")
                 else:
                     return
-            layer = self._remote.prepare(target, parent, dict(labels))
+            asked = {k: v for k, v in labels.items() if k not in NODE_LABELS}
+            layer = self._remote.prepare(target, parent_chain, dict(asked))
             if layer is None:
                 return
             try:
                 check_mountable_path(layer.path, "remote layer path")
                 if layer.kind not in LAYER_KINDS:
                     raise ShoalError(f"remote layer {target}: unknown kind {layer.kind!r} (expected lazy or unpacked)")
-                # the proof labels are the node's word, never a client's
-                asked = {k: v for k, v in labels.items() if k not in (LABEL_PROOF, LABEL_DIFF_ID)}
                 recorded = {**asked, **layer.info_labels, LABEL_LAYER_KIND: layer.kind}
                 if self.proofs is not None:
-                    recorded.update(self.proofs.labels_for(target, parent, layer))
+                    recorded.update(self.proofs.labels_for(target, parent_chain, layer))
                 with self._db.write() as tx:
                     tx.create_committed(target, parent, recorded, layer.usage or Usage(), layer.path, layer.kind)
             except BaseException:

@@ -14,10 +14,10 @@ Everything happens under a lease so containerd's GC cannot remove half a pull.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from builder.zstdchunked import (
 )
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
-from shoal.digest import check_digest
+from shoal.digest import chain_id, check_digest, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
@@ -45,10 +45,10 @@ BAD_REMOVAL_WAIT = 10.0  # seconds a pull waits for the node to remove a bad cha
 
 
 def chain_ids(diff_ids: list[str]) -> list[str]:
-    """containerd's chain ids: chain[0] = diff[0], chain[i] = sha256(chain[i-1] + " " + diff[i])."""
+    """The chain id of each layer (shoal.digest.chain_id)."""
     out: list[str] = []
     for d in diff_ids:
-        out.append(d if not out else "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest())
+        out.append(chain_id(out[-1] if out else "", d))
     return out
 
 
@@ -94,7 +94,7 @@ class _Containerd:
         try:
             return getattr(stub, method)(request, metadata=self._md(), timeout=600)
         except self.grpc.RpcError as e:
-            raise _RpcFailure(e.code(), f"{what}: {e.details()}") from None
+            raise _RpcFailure(e.code(), f"{what}: {e.details()}", e.details() or "") from None
 
     def create_lease(self) -> None:
         pb = self.pb
@@ -191,7 +191,7 @@ class _Containerd:
             if e.code() == self.grpc.StatusCode.NOT_FOUND:
                 return None
             raise TransportError(f"containerd content {digest}: {e.details()}") from None
-        if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+        if sha256_digest(data) != digest:
             raise FormatError(f"containerd content {digest}: its bytes do not match the digest")
         return data
 
@@ -205,7 +205,10 @@ class _Containerd:
         except _RpcFailure as e:
             if e.code == self.grpc.StatusCode.ALREADY_EXISTS:
                 return  # the snapshotter provided the layer: the remote-snapshot answer
-            raise ShoalError(str(e)) from None
+            # shoal's node names the image and layer itself; containerd appends its
+            # error class (": unknown") to what the snapshotter said.
+            details = _ERRDEFS_SUFFIX.sub("", e.details)
+            raise ShoalError(details if labels[remote.LABEL_LAYER_DIGEST] in details else str(e)) from None
         # An ordinary active snapshot: the snapshotter could not provide this layer.
         self.call(pb.snapshots_grpc.SnapshotsStub, "Remove",
                   pb.snapshots.RemoveSnapshotRequest(snapshotter=snapshotter, key=key), "remove")
@@ -229,9 +232,15 @@ class _Containerd:
 
 
 class _RpcFailure(ShoalError):
-    def __init__(self, code, message: str):
+    def __init__(self, code, message: str, details: str = ""):
         super().__init__(message)
         self.code = code
+        self.details = details
+
+
+# What containerd's errdefs adds to an error it passes on from a snapshotter.
+_ERRDEFS_SUFFIX = re.compile(
+    r": (unknown|invalid argument|not found|already exists|failed precondition|unavailable|not implemented)$")
 
 
 def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str, plain: bool) -> dict[str, str]:

@@ -4,7 +4,9 @@ containerd's unpacker calls Prepare with `containerd.io/snapshot.ref` (the targe
 id) and, from CRI or `shoal pull`, the layer digest and the image reference. For a layer
 whose descriptor carries a zstd:chunked TOC, the node fetches the TOC, verifies it
 against the digest in the layer annotation, and serves the layer lazily through the
-layer file system. Any other layer is downloaded, verified and unpacked by the node.
+layer file system. Any other layer is downloaded, verified and unpacked by the node
+(snapshotter/unpack.py), and committed only if the unpacked stream's sha256 makes the
+target chain id on top of the parent's (the diff_id check, see _unpacked).
 Either way the snapshot is committed under the target name and containerd skips the
 layer. Which layers are lazy and which were unpacked is recorded in the snapshot labels
 (`shoal.io/layer-kind`), the log, and `shoal status`.
@@ -17,13 +19,16 @@ Where the layer annotations come from: `shoal pull` passes them as labels
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO
 
 from builder.convert import _Decompressing
 from builder.oci.refs import DockerRef
@@ -40,10 +45,17 @@ from builder.zstdchunked import (
 from cache.origin import is_loopback_host
 from cache.source import BlobRef
 from shoal import mediatypes as mt
-from shoal.digest import check_digest, hex_of
-from shoal.errors import FormatError, ShoalError
+from shoal.digest import chain_id, check_digest, hex_of
+from shoal.errors import DigestMismatch, FormatError, ShoalError
 from snapshotter.fs.client import FSClient
-from snapshotter.snapshotter import LABEL_LAYER_DIGEST, ProofFailed, RemoteLayer
+from snapshotter.snapshotter import (
+    LABEL_DIFF_ID,
+    LABEL_LAYER_DIGEST,
+    LABEL_PROOF,
+    PROVEN,
+    ProofFailed,
+    RemoteLayer,
+)
 from snapshotter.unpack import unpack
 
 log = logging.getLogger("shoal.remote")
@@ -93,10 +105,11 @@ class RemoteLayers:
         self._warm_pool = ThreadPoolExecutor(4, thread_name_prefix="shoal-warm")
         self.warmed_layers = 0
         self.prefetched_images = 0  # images whose access profile was handed to the layer fs
+        self._diff_ids: dict[str, str] = {}  # unpacked folder -> the diff_id its unpack computed
 
     # --- the seam -------------------------------------------------------------------------
 
-    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> RemoteLayer | None:
+    def prepare(self, target: str, parent_chain: str, labels: dict[str, str]) -> RemoteLayer | None:
         digest = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
         image = labels.get(LABEL_IMAGE_REF) or labels.get(LABEL_CRI_IMAGE_REF)
         if not digest or not image:
@@ -111,15 +124,17 @@ class RemoteLayers:
         if blob.size is None and isinstance(desc.get("size"), int):  # CRI's labels carry no size; its manifest does
             blob = dataclasses.replace(blob, size=desc["size"])
         self._warm_image(blob, labels.get(LABEL_CRI_MANIFEST_DIGEST), image)
+        info = {LABEL_LAYER_DIGEST: digest}
         with self._lock_for(digest):
             if location_from_annotations(desc.get("annotations")) is not None:
                 path = self._lazy(blob, desc, image)
                 kind = "lazy"
             else:
-                path = self._unpacked(blob, desc, image)
+                path, diff_id = self._unpacked(blob, desc, image, target, parent_chain, labels)
                 kind = "unpacked"
+                info.update({LABEL_DIFF_ID: diff_id, LABEL_PROOF: PROVEN})
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
-        return RemoteLayer(path, kind, {LABEL_KIND: kind, LABEL_LAYER_DIGEST: digest}, digest=digest)
+        return RemoteLayer(path, kind, {**info, LABEL_KIND: kind}, digest=digest)
 
     # --- warm-up of an image's other layers ---------------------------------------------------
 
@@ -207,6 +222,7 @@ class RemoteLayers:
                 log.warning("unloading layer %s: %s", layer_id, e)
             shutil.rmtree(os.path.join(self.root, "layers", layer_id), ignore_errors=True)
         elif path.startswith(self.unpacked_dir + os.sep):
+            self._diff_ids.pop(path, None)
             shutil.rmtree(path, ignore_errors=True)
 
     def start(self) -> None:
@@ -359,24 +375,83 @@ class RemoteLayers:
 
     # --- unpacked layers ---------------------------------------------------------------------------
 
-    def _unpacked(self, blob: BlobRef, desc: dict, image: str) -> str:
+    def _unpacked(self, blob: BlobRef, desc: dict, image: str, target: str, parent_chain: str,
+                  labels: dict[str, str]) -> tuple[str, str]:
+        """(path, diff_id) of the layer unpacked, after checking that its bytes are the
+        chain's: chain_id(parent_chain, sha256 of the decompressed tar) == target. The
+        image's config (its diff_ids) is the attacker's to write, the bytes are not: a
+        mismatch fails with nothing committed, as containerd's unpacker refuses "wrong
+        diff id calculated on extraction". One unpacked folder per blob serves every
+        chain the blob is in; its diff_id is known from the unpack (or, for a folder
+        unpacked before this process started, from hashing the blob once more)."""
+        what = f"{image}: layer {blob.digest}"
         path = os.path.join(self.unpacked_dir, hex_of(blob.digest))
-        if os.path.isdir(path):
-            return path
         compression = mt.LAYER_COMPRESSION.get(desc.get("mediaType") or "")
         if compression is None:
-            raise FormatError(f"{image}: layer {blob.digest}: unsupported media type {desc.get('mediaType')!r}")
+            raise FormatError(f"{what}: unsupported media type {desc.get('mediaType')!r}")
+        if os.path.isdir(path):
+            diff_id = self._diff_ids.get(path) or self._with_tar(blob, compression, what, _hash_stream)
+            self._diff_ids[path] = diff_id  # what the folder is, whichever chain asks
+            self._check_chain(blob, image, target, parent_chain, diff_id, labels)
+            return path, diff_id
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=self.unpacked_dir)
         try:
-            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
-            try:
-                with source.open_blob(blob.digest, blob.size) as stream:
-                    what = f"{image}: layer {blob.digest}"
-                    unpack(_Decompressing(stream, compression, what), tmp, what)  # type: ignore[arg-type]
-            finally:
-                source.close()
+            diff_id = self._with_tar(blob, compression, what, lambda tar: unpack(tar, tmp, what).diff_id)
+            self._check_chain(blob, image, target, parent_chain, diff_id, labels)
             os.rename(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return path
+        self._diff_ids[path] = diff_id
+        return path, diff_id
+
+    @staticmethod
+    def _with_tar(blob: BlobRef, compression: str, what: str, use: Callable[[BinaryIO], str]) -> str:
+        """use(the blob's decompressed tar stream); the blob is read to its end after, so
+        its digest is checked (VerifyingReader) before the result counts."""
+        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
+        try:
+            with source.open_blob(blob.digest, blob.size) as stream:
+                result = use(_Decompressing(stream, compression, what))  # type: ignore[arg-type]
+                while stream.read(1 << 20):
+                    pass
+        finally:
+            source.close()
+        return result
+
+    def _check_chain(self, blob: BlobRef, image: str, target: str, parent_chain: str, diff_id: str,
+                     labels: dict[str, str]) -> None:
+        if chain_id(parent_chain, diff_id) == target:
+            return
+        claimed = self._claimed_diff_id(blob, labels.get(LABEL_CRI_MANIFEST_DIGEST), parent_chain, target)
+        claim = f"diff_id {claimed}" if claimed else f"chain id {target} on parent chain {parent_chain or '(none)'}"
+        raise DigestMismatch(f"{image}: layer {blob.digest}: the image claims {claim}, but the layer's bytes "
+                             f"have diff_id {diff_id}: refused (the image's config does not describe this layer)")
+
+    @classmethod
+    def _claimed_diff_id(cls, blob: BlobRef, manifest_digest: str | None, parent_chain: str,
+                         target: str) -> str | None:
+        """For the error message only: the diff_id in the image's config that makes
+        `target` on `parent_chain` (the target alone is what is checked)."""
+        if not parent_chain:
+            return target
+        if not manifest_digest:
+            return None
+        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
+        try:
+            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
+            config = doc["config"]
+            diff_ids = json.loads(source.read_blob(check_digest(config["digest"]), config.get("size")))["rootfs"][
+                "diff_ids"]
+            return next((d for d in diff_ids if isinstance(d, str) and chain_id(parent_chain, d) == target), None)
+        except (ShoalError, OSError, ValueError, KeyError, TypeError):
+            return None
+        finally:
+            source.close()
+
+
+def _hash_stream(stream: BinaryIO) -> str:
+    sha = hashlib.sha256()
+    while data := stream.read(1 << 20):
+        sha.update(data)
+    return "sha256:" + sha.hexdigest()

@@ -66,14 +66,18 @@ from shoal.errors import ShoalError
 # Labels with a meaning in the protocol.
 LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
 LABEL_LAYER_KIND = "shoal.io/layer-kind"  # "lazy" | "unpacked" on remote-provided layers
-# The proof of a remote layer (see chainproof.py). Under containerd.io/snapshot/ so that
-# containerd's Stat shows them. LABEL_PROOF is set once the answer is known, never to
-# PENDING on the record itself: containerd copies a provided snapshot's labels into its
-# own metadata when it records the snapshot, and its copy wins over the snapshotter's
-# later labels. A lazy layer without LABEL_PROOF is pending.
+# The proof of a remote layer (see chainproof.py), set on its committed snapshot by the
+# node alone: the same names in a Prepare's labels (which an image's layer annotations
+# can set, through containerd's unpacker) are dropped. Under containerd.io/snapshot/ so
+# that containerd's Stat shows them. diff-id: the diff_id the layer's bytes were hashed
+# to; proof: PROVEN or BAD once known. PENDING is never written on the record itself:
+# containerd copies a provided snapshot's labels into its own metadata when it records
+# it, and its copy wins over the snapshotter's later labels. A lazy layer without
+# LABEL_PROOF is pending; a node-unpacked layer is PROVEN at its commit.
 LABEL_LAYER_DIGEST = "containerd.io/snapshot/shoal.layer-digest"  # the blob the layer was made from
-LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"  # the diff_id its content was verified to have
-LABEL_PROOF = "containerd.io/snapshot/shoal.proof"  # PROVEN | BAD
+LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
+LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
+NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
 PENDING, PROVEN, BAD = "pending", "proven", "bad"
 
 
@@ -173,9 +177,12 @@ class RemoteLayers(Protocol):
     holds no lock meanwhile.
     """
 
-    def prepare(self, target: str, parent: str, labels: dict[str, str]) -> RemoteLayer | None:
+    def prepare(self, target: str, parent_chain: str, labels: dict[str, str]) -> RemoteLayer | None:
         """Called on Prepare when the labels carry `containerd.io/snapshot.ref` (= target,
-        the layer's chain id; `parent` is the committed parent's name, "" for the base).
+        the chain id the layer is to be committed as: a claim, made from the image's
+        config). `parent_chain` is the chain id of the committed parent as the
+        snapshotter's own records know it ("" for the base layer), never a label: a
+        provider that can hash the layer checks chain_id(parent_chain, diff_id) == target.
 
         Return None when this is not a layer it can provide: the Prepare goes on as an
         ordinary one and containerd unpacks the layer. Return a RemoteLayer to have the

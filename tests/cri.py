@@ -11,8 +11,9 @@ import os
 
 from snapshotter import convert  # noqa: F401  (selects the protobuf implementation first)
 
-import grpc  # noqa: E402
-from cri_api.v1 import api_pb2, api_pb2_grpc  # noqa: E402
+# isort: split
+import grpc
+from cri_api.v1 import api_pb2, api_pb2_grpc
 
 
 class CRIError(RuntimeError):

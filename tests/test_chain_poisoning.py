@@ -233,7 +233,7 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
             assert "input/output error" in (proc.stderr + proc.stdout).lower()
             fs_log = (node.root / "logs" / "fs.log").read_text()
             assert f"open /secret of layer {layer} of {images['attacker-lazy']} refused (EIO)" in fs_log
-            assert f"which gives chain" in fs_log and "its content is diff_id" in fs_log
+            assert "which gives chain" in fs_log and "its content is diff_id" in fs_log
             # a new container on it fails its Prepare with one line
             proc = run(ctd, images["attacker-lazy"], "poison-again")
             assert proc.returncode != 0 and f"chain {top}" in one_line(proc.stderr)

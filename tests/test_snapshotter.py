@@ -35,7 +35,9 @@ import pytest
 
 from shoal.errors import ShoalError
 from snapshotter.snapshotter import (
+    LABEL_DIFF_ID,
     LABEL_LAYER_KIND,
+    LABEL_PROOF,
     LABEL_SNAPSHOT_REF,
     AlreadyExists,
     FailedPrecondition,
@@ -422,6 +424,33 @@ def test_remote_failures(short_tmp):
             assert s2.walk() == []
         finally:
             s2.close()
+    finally:
+        s.close()
+
+
+def test_remote_layers_get_the_parents_chain_id_from_its_record_and_set_the_proof_labels_alone(short_tmp):
+    """RemoteLayers.prepare gets the parent's chain id as the snapshotter recorded it
+    (containerd's backend names NAMESPACE/SEQ/CHAINID for layers it applied itself), and
+    the node-only labels a Prepare carries (an image's layer annotations can become
+    Prepare labels) never reach the committed record."""
+    asked: list[tuple[str, str, dict]] = []
+
+    class Recording(FakeRemote):
+        def prepare(self, target, parent_chain, labels):
+            asked.append((target, parent_chain, labels))
+            return super().prepare(target, parent_chain, labels)
+
+    remote = Recording(short_tmp / "layers", provide={"sha256:top"})
+    s = LocalSnapshotter(short_tmp / "root", remote=remote)
+    try:
+        s.prepare("ns/1/extract-1 sha256:base", "", {LABEL_SNAPSHOT_REF: "sha256:base"})  # containerd applies it
+        s.commit("ns/2/sha256:base", "ns/1/extract-1 sha256:base", {LABEL_SNAPSHOT_REF: "sha256:base"})
+        forged = {LABEL_SNAPSHOT_REF: "sha256:top", LABEL_DIFF_ID: "sha256:forged", LABEL_PROOF: "proven"}
+        with pytest.raises(AlreadyExists):
+            s.prepare("ns/3/extract-2 sha256:top", "ns/2/sha256:base", forged)
+        assert asked[1:] == [("sha256:top", "sha256:base", {LABEL_SNAPSHOT_REF: "sha256:top"})]
+        labels = s.stat("sha256:top").labels
+        assert LABEL_DIFF_ID not in labels and LABEL_PROOF not in labels
     finally:
         s.close()
 
