@@ -42,13 +42,14 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.digest import chain_id
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, TransportError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
@@ -139,7 +140,6 @@ class ChainProofs:
         self._stopped = False
         self._sweep_now = False
         self._thread: threading.Thread | None = None
-        self.proven = self.bad = self.gate_waits = 0
 
     # --- lifecycle
 
@@ -170,9 +170,9 @@ class ChainProofs:
 
     # --- at a remote layer's Prepare
 
-    def labels_for(self, target: str, parent_chain: str, layer: RemoteLayer) -> dict[str, str]:
+    def labels_for(self, target: str, parent_chain: str, layer: RemoteLayer, labels: dict[str, str]) -> dict[str, str]:
         """The proof labels of a lazy layer about to be committed as `target` on the
-        chain `parent_chain` ("" for a base layer): PROVEN
+        chain `parent_chain` ("" for a base layer), for a Prepare with `labels`: PROVEN
         when its blob's diff_id is known and gives `target`; FailedPrecondition when it
         is known and does not; none (pending) when unknown."""
         if not self.config.enabled or layer.kind != "lazy" or not layer.digest:
@@ -183,9 +183,8 @@ class ChainProofs:
             return {}
         expected = chain_id(parent_chain, diff_id)
         if expected != target:
-            self.bad += 1
             raise FailedPrecondition(
-                f"{_image_of_labels(layer.info_labels)}: layer {layer.digest} cannot be chain {target}: its content "
+                f"{_image_of_labels(labels)}: layer {layer.digest} cannot be chain {target}: its content "
                 f"is diff_id {diff_id} (proven on this node), which gives chain {expected}")
         return {LABEL_PROOF: PROVEN, LABEL_DIFF_ID: diff_id}
 
@@ -226,7 +225,6 @@ class ChainProofs:
         another blob: complete its proof now. Returns when it is proven, else
         FailedPrecondition with one line naming the chain, its provider and `image`."""
         blob = rec.labels.get(LABEL_LAYER_DIGEST, "")
-        self.gate_waits += 1
         log.info("chain %s was provided from layer %s of %s, %s names layer %s there: proving it now",
                  chain_id_of(rec), blob, _image_of(rec), image, named)
         state, detail = self.prove_now(rec)
@@ -322,7 +320,6 @@ class ChainProofs:
                 decided.append((rec, ok, expected))
         for rec, ok, expected in decided:
             if ok:
-                self.proven += 1
                 log.info("chain %s (layer %s of %s): proven, diff_id %s", chain_id_of(rec), digest, _image_of(rec),
                          diff_id)
             else:
@@ -342,7 +339,6 @@ class ChainProofs:
             self._declare_bad(rec, f"{_image_of(rec)}: layer {digest} of chain {chain_id_of(rec)}: {reason}")
 
     def _declare_bad(self, rec: Record, reason: str) -> None:
-        self.bad += 1
         log.error("BAD lazy layer: %s", reason)
         with self.db.read() as tx:
             shared_proven = any(r.layer_path == rec.layer_path and proof_of(r) == PROVEN for r in tx.all())
@@ -474,12 +470,6 @@ class ChainProofs:
         self._retry.pop(digest, None)
         self.record(digest, diff_id)
 
-    def statistics(self) -> dict:
-        with self._cond:
-            queued = len(self._queue)
-        return {"enabled": self.config.enabled, "proven": self.proven, "bad": self.bad,
-                "gate_waits": self.gate_waits, "queued": queued}
-
 
 class _AnyOther(dict):
     """Claims when containerd cannot say: every chain is named by an unknown other blob."""
@@ -509,11 +499,16 @@ class ContainerdImages:
         self._lock = threading.Lock()
         self._by_target: dict[str, list[tuple[str, str]]] = {}  # image target digest -> [(chain, layer)]
 
-    def claims(self, namespace: str) -> dict[str, list[tuple[str, str]]]:
+    def _connect(self, namespace: str):
         from snapshotter.pull import _Containerd
 
+        if not os.path.exists(self.address):  # not a wait for a containerd that is not there
+            raise TransportError(f"no containerd socket at {self.address} ([containerd] address)")
+        return _Containerd(self.address, namespace)
+
+    def claims(self, namespace: str) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = {}
-        ctr = _Containerd(self.address, namespace)
+        ctr = self._connect(namespace)
         try:
             for name, media_type, digest in ctr.images():
                 layers = self._layers(ctr, media_type, digest)
@@ -526,13 +521,13 @@ class ContainerdImages:
     def knows(self, key: str) -> bool:
         """Whether containerd still has the active snapshot or view `key` (NS/ID/NAME);
         True when it cannot say."""
-        from snapshotter.pull import _Containerd, _RpcFailure
+        from snapshotter.pull import _RpcFailure
 
         namespace = namespace_of(key)
         if namespace is None:
             return True
         try:
-            ctr = _Containerd(self.address, namespace)
+            ctr = self._connect(namespace)
         except ShoalError:
             return True
         try:
@@ -545,15 +540,15 @@ class ContainerdImages:
     def forget(self, key: str) -> None:
         """Remove snapshot `key` from containerd's metadata in every namespace that has it
         (so that its next pull prepares it again instead of finding it)."""
-        from snapshotter.pull import _Containerd, _RpcFailure
+        from snapshotter.pull import _RpcFailure
 
-        ctr = _Containerd(self.address, "default")
+        ctr = self._connect("default")
         try:
             namespaces = ctr.namespaces()
         finally:
             ctr.close()
         for namespace in namespaces:
-            ctr = _Containerd(self.address, namespace)
+            ctr = self._connect(namespace)
             try:
                 if ctr.snapshot_labels(self.snapshotter, key) is not None:
                     ctr.remove_snapshot(self.snapshotter, key)

@@ -110,6 +110,8 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_swarm_peers_banned_total", counter, "Peers banned for bad pieces.", swarm.get("peers_banned")),
         ("shoal_node_layers", gauge, "Layers provided by the node, by kind.",
          [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
+        ("shoal_node_chains", gauge, "Chain ids the node provided, by proof state (lazy layers: pending|proven|bad).",
+         [({"proof": p}, sum(c["proof"] == p for c in s.get("chains", []))) for p in ("pending", "proven", "bad")]),
         ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
     ])
 

@@ -370,7 +370,7 @@ class LocalSnapshotter:
                     raise ShoalError(f"remote layer {target}: unknown kind {layer.kind!r} (expected lazy or unpacked)")
                 recorded = {**asked, **layer.info_labels, LABEL_LAYER_KIND: layer.kind}
                 if self.proofs is not None:
-                    recorded.update(self.proofs.labels_for(target, parent_chain, layer))
+                    recorded.update(self.proofs.labels_for(target, parent_chain, layer, asked))
                 with self._db.write() as tx:
                     tx.create_committed(target, parent, recorded, layer.usage or Usage(), layer.path, layer.kind)
             except BaseException:
