@@ -254,10 +254,12 @@ class ChainProofs:
         pending = [rec for rec in chain if proof_of(rec) == PENDING]
         if not pending:
             return
-        claims = self._claims_for(key, labels)
+        claims, unknown = self._claims_for(key, labels)
         for rec in reversed(pending):  # the base first: a bad base fails before upper layers are read
             blob = rec.labels.get(LABEL_LAYER_DIGEST, "")
             others = [(image, digest) for image, digest in claims.get(chain_id_of(rec), []) if digest != blob]
+            if unknown:  # not knowing what else is named there, a pending chain is proven before use
+                others.append(("an image containerd could not list", "unknown"))
             if not others:
                 continue
             image, digest = others[0]
@@ -280,7 +282,9 @@ class ChainProofs:
             return BAD, "removed as bad meanwhile"
         return proof_of(now), f"its diff_id is {diff_id}"
 
-    def _claims_for(self, key: str, labels: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    def _claims_for(self, key: str, labels: dict[str, str]) -> tuple[dict[str, list[tuple[str, str]]], bool]:
+        """({chain: [(image, layer digest)]} named in the snapshot's namespace and by its
+        LABEL_GATE, whether containerd could not be asked)."""
         out: dict[str, list[tuple[str, str]]] = {}
         hint = labels.get(LABEL_GATE)
         if hint:
@@ -296,11 +300,10 @@ class ChainProofs:
                 for chain, named in self._containerd.claims(namespace).items():
                     out.setdefault(chain, []).extend(named)
             except (ShoalError, OSError) as e:
-                # Not knowing what else is named there, a pending chain is proven before use.
                 log.warning("%s: cannot list the images of namespace %s in containerd (%s): proving every "
                             "pending layer of its chain before use", key, namespace, e)
-                return _AnyOther()
-        return out
+                return out, True
+        return out, False
 
     # --- results
 
@@ -469,13 +472,6 @@ class ChainProofs:
             return
         self._retry.pop(digest, None)
         self.record(digest, diff_id)
-
-
-class _AnyOther(dict):
-    """Claims when containerd cannot say: every chain is named by an unknown other blob."""
-
-    def get(self, key, default=None):
-        return [("an image containerd could not list", "unknown")]
 
 
 def _claimed(rec: Record) -> str:

@@ -89,6 +89,9 @@ def images(registry, tmp_path_factory):
         lazy = honest.replace("-gzip", "-lazy")
         convert(f"docker://{honest}", f"docker://{lazy}", plain_http=True)
         refs[f"{who}-gzip"], refs[f"{who}-lazy"] = honest, lazy
+    refs["pause"] = f"{repo}:pause"  # CRI's sandbox image: a command that waits
+    build_image([str(base)], f"docker://{refs['pause']}", ImageConfig(cmd=["/bin/sleep", "3600"]), plain_http=True,
+                workdir=str(work))
     for kind in ("gzip", "lazy"):
         forged = f"{repo}:attacker-{kind}"
         forge(refs[f"attacker-{kind}"], forged, refs[f"victim-{kind}"], work)
@@ -117,7 +120,7 @@ def node_factory(registry):
 
     def start(node_config: str = "", cri: bool = False):
         return shoal_node_with_containerd("shoal-poison-", node_config, [registry.host] if cri else None,
-                                          sandbox_image=f"{registry.host}/poison/app:victim-gzip")
+                                          sandbox_image=f"{registry.host}/poison/app:pause")
 
     return start
 
@@ -207,6 +210,30 @@ def test_lazy_poisoning_through_cri_pull_fails_the_victims_start_then_heals(imag
             cri.close()
 
 
+def test_lazy_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
+    """The kubelet's whole path: PullImage, RunPodSandbox, CreateContainer, StartContainer."""
+    from tests.cri import CRIClient, CRIError
+
+    with node_factory(GATE, cri=True) as (node, ctd):
+        cri = CRIClient(ctd.address)
+        try:
+            cri.pull_image(images["attacker-lazy"])
+            cri.pull_image(images["victim-lazy"])
+            chain = _chains(images["victim-lazy"])[-1]
+            with pytest.raises(CRIError) as e:
+                out = cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod")
+                assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
+            line = one_line(str(e.value))
+            for word in (chain, images["attacker-lazy"], images["victim-lazy"], "whose content is not"):
+                assert word in line, (word, line)
+            wait_for(lambda: chain not in {c["chain"] for c in status(node)["chains"]},
+                     "the bad chain's removal", timeout=30, interval=0.2)
+            cri.pull_image(images["victim-lazy"])
+            assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod-2") == VICTIM
+        finally:
+            cri.close()
+
+
 def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(images, node_factory):
     """The background proof: the attacker's top layer is bad (status, EIO with a log line
     for the container already running on it, removed once that container is gone); the
@@ -264,7 +291,7 @@ def test_a_legitimate_share_of_one_diff_id_by_gzip_and_lazy_images_works(images,
         assert {c["proof"] for c in status(node)["chains"]} == {"proven"}
 
 
-def test_a_legitimate_share_through_cri(images, node_factory):
+def test_a_legitimate_share_through_a_cri_pod(images, node_factory, tmp_path):
     from tests.cri import CRIClient
 
     with node_factory(GATE, cri=True) as (node, ctd):
@@ -272,9 +299,10 @@ def test_a_legitimate_share_through_cri(images, node_factory):
         try:
             cri.pull_image(images["victim-lazy"])
             cri.pull_image(images["victim-gzip"])
-            proc = run(ctd, images["victim-gzip"], "share-cri-g", namespace=CRI_NS)
-            assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr
-            assert {c["proof"] for c in status(node)["chains"]} == {"proven"}
+            assert cri.run(images["victim-gzip"], CMD, str(tmp_path), "share-g") == VICTIM
+            assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "share-z") == VICTIM
+            lazy = {c["proof"] for c in status(node)["chains"] if c["kind"] == "lazy"}
+            assert lazy == {"proven"}
         finally:
             cri.close()
 
@@ -294,7 +322,7 @@ def test_gzip_poisoning_through_shoal_pull(images, node_factory):
         assert_victim_safe(run(ctd, images["victim-gzip"], "poison-gz"), [_chains(images["victim-gzip"])[-1]])
 
 
-def test_gzip_poisoning_through_cri_pull(images, node_factory):
+def test_gzip_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
     from tests.cri import CRIClient, CRIError
 
     with node_factory(cri=True) as (node, ctd):
@@ -312,7 +340,57 @@ def test_gzip_poisoning_through_cri_pull(images, node_factory):
                 if "parent snapshot" not in e.details:
                     raise
                 cri.pull_image(images["victim-gzip"])
-            proc = run(ctd, images["victim-gzip"], "poison-cri-gz", namespace=CRI_NS)
-            assert_victim_safe(proc, [_chains(images["victim-gzip"])[-1]])
+            out = cri.run(images["victim-gzip"], CMD, str(tmp_path), "poison-gz")
+            assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
+            assert out == VICTIM
         finally:
             cri.close()
+
+
+# --- the proof itself --------------------------------------------------------------------------
+
+
+def test_prove_blob_gives_the_diff_id_and_tells_a_bad_read_from_a_bad_blob():
+    """The whole zstd:chunked blob, read in ranges, decompresses to the tar whose digest
+    is the diff_id; bytes that do not match the blob digest are a failed attempt (retry,
+    another source), a verified blob that does not decompress is final."""
+    import io
+
+    import zstandard
+
+    from builder.zstdchunked import LayerWriter
+    from cache.source import BlobRef
+    from snapshotter.fs import proof
+    from tests.imagetools import make_tar
+
+    tar = make_tar({"secret": VICTIM, "big": bytes(range(256)) * 40_000, "d": None})
+    out = io.BytesIO()
+    LayerWriter().write(io.BytesIO(tar), out)
+    blob = out.getvalue()
+
+    def reader(data: bytes):
+        calls = []
+
+        def read_ranges(ref, ranges):
+            calls.append(ranges)
+            return [data[a:b] for a, b in ranges]
+
+        return read_ranges, calls
+
+    read, calls = reader(blob)
+    ref = BlobRef("127.0.0.1:1", "r", _sha256(blob), len(blob))
+    old, proof.PROOF_RANGE = proof.PROOF_RANGE, 1 << 20  # several ranges for this small blob
+    try:
+        assert proof.prove_blob(read, ref) == _sha256(tar)
+        assert len(calls) == -(-len(blob) // (1 << 20)) and all(len(r) == 1 for r in calls)
+        flipped = bytearray(blob)
+        flipped[len(blob) // 2] ^= 1
+        with pytest.raises(proof.ProofError) as e:
+            proof.prove_blob(reader(bytes(flipped))[0], ref)
+        assert not e.value.final and "do not match the blob digest" in str(e.value)
+        garbage = zstandard.ZstdCompressor().compress(b"x" * 1000)[:-3] + b"\0" * 64
+        with pytest.raises(proof.ProofError) as e:
+            proof.prove_blob(reader(garbage)[0], BlobRef("h", "r", _sha256(garbage), len(garbage)))
+        assert e.value.final and "does not decompress" in str(e.value)
+    finally:
+        proof.PROOF_RANGE = old
