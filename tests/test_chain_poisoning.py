@@ -15,6 +15,7 @@ The gzip cases need node-unpacked layers to check their diff_id (branch i10-unpa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
@@ -125,6 +126,19 @@ def node_factory(registry):
     return start
 
 
+@contextlib.contextmanager
+def cri_node(node_factory, node_config: str = ""):
+    """(node, containerd with its CRI plugin, a CRI client on it)."""
+    from tests.cri import CRIClient
+
+    with node_factory(node_config, cri=True) as (node, ctd):
+        cri = CRIClient(ctd.address)
+        try:
+            yield node, ctd, cri
+        finally:
+            cri.close()
+
+
 def shoal_pull(ref: str, ctd, namespace: str = "shoal-test") -> subprocess.CompletedProcess:
     return subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", namespace, "--json"],
                           capture_output=True, text=True, timeout=300)
@@ -187,51 +201,41 @@ def test_lazy_poisoning_through_cri_pull_fails_the_victims_start_then_heals(imag
     """CRI: the victim's PullImage never reaches the node (containerd's unpacker finds
     the chain); the victim's container Prepare does, and the gate finds that another
     image of k8s.io names another blob for the chain."""
-    from tests.cri import CRIClient
-
-    with node_factory(GATE, cri=True) as (node, ctd):
-        cri = CRIClient(ctd.address)
-        try:
-            cri.pull_image(images["attacker-lazy"])
-            cri.pull_image(images["victim-lazy"])
-            proc = run(ctd, images["victim-lazy"], "poison-cri-v", namespace=CRI_NS)
-            chain = _chains(images["victim-lazy"])[-1]
-            assert_victim_safe(proc, [chain, images["attacker-lazy"], images["victim-lazy"], "whose content is not"])
-            assert proc.returncode != 0, "the gate let the victim start on an unproven chain of another blob"
-            assert {c["kind"] for c in status(node)["chains"]} == {"lazy"}
-            # the bad chain is removed, no container using it: the victim's next pull
-            # provides it from its own layer
-            wait_for(lambda: chain not in {c["chain"] for c in status(node)["chains"]},
-                     "the bad chain's removal", timeout=30, interval=0.2)
-            cri.pull_image(images["victim-lazy"])
-            proc = run(ctd, images["victim-lazy"], "poison-cri-v2", namespace=CRI_NS)
-            assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr + node.log_path.read_text()[-20000:]
-        finally:
-            cri.close()
+    with cri_node(node_factory, GATE) as (node, ctd, cri):
+        cri.pull_image(images["attacker-lazy"])
+        cri.pull_image(images["victim-lazy"])
+        proc = run(ctd, images["victim-lazy"], "poison-cri-v", namespace=CRI_NS)
+        chain = _chains(images["victim-lazy"])[-1]
+        assert_victim_safe(proc, [chain, images["attacker-lazy"], images["victim-lazy"], "whose content is not"])
+        assert proc.returncode != 0, "the gate let the victim start on an unproven chain of another blob"
+        assert {c["kind"] for c in status(node)["chains"]} == {"lazy"}
+        # the bad chain is removed, no container using it: the victim's next pull
+        # provides it from its own layer
+        wait_for(lambda: chain not in {c["chain"] for c in status(node)["chains"]},
+                 "the bad chain's removal", timeout=30, interval=0.2)
+        cri.pull_image(images["victim-lazy"])
+        proc = run(ctd, images["victim-lazy"], "poison-cri-v2", namespace=CRI_NS)
+        assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr + node.log_path.read_text()[-20000:]
 
 
 def test_lazy_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
     """The kubelet's whole path: PullImage, RunPodSandbox, CreateContainer, StartContainer."""
-    from tests.cri import CRIClient, CRIError
+    from tests.cri import CRIError
 
-    with node_factory(GATE, cri=True) as (node, ctd):
-        cri = CRIClient(ctd.address)
-        try:
-            cri.pull_image(images["attacker-lazy"])
-            cri.pull_image(images["victim-lazy"])
-            chain = _chains(images["victim-lazy"])[-1]
-            with pytest.raises(CRIError) as e:
-                out = cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod")
-                assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
-            line = one_line(str(e.value))
-            for word in (chain, images["attacker-lazy"], images["victim-lazy"], "whose content is not"):
-                assert word in line, (word, line)
-            wait_for(lambda: chain not in {c["chain"] for c in status(node)["chains"]},
-                     "the bad chain's removal", timeout=30, interval=0.2)
-            cri.pull_image(images["victim-lazy"])
-            assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod-2") == VICTIM
-        finally:
-            cri.close()
+    with cri_node(node_factory, GATE) as (node, ctd, cri):
+        cri.pull_image(images["attacker-lazy"])
+        cri.pull_image(images["victim-lazy"])
+        chain = _chains(images["victim-lazy"])[-1]
+        with pytest.raises(CRIError) as e:
+            out = cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod")
+            assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
+        line = one_line(str(e.value))
+        for word in (chain, images["attacker-lazy"], images["victim-lazy"], "whose content is not"):
+            assert word in line, (word, line)
+        wait_for(lambda: chain not in {c["chain"] for c in status(node)["chains"]},
+                 "the bad chain's removal", timeout=30, interval=0.2)
+        cri.pull_image(images["victim-lazy"])
+        assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "victim-pod-2") == VICTIM
 
 
 def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(images, node_factory):
@@ -292,19 +296,13 @@ def test_a_legitimate_share_of_one_diff_id_by_gzip_and_lazy_images_works(images,
 
 
 def test_a_legitimate_share_through_a_cri_pod(images, node_factory, tmp_path):
-    from tests.cri import CRIClient
-
-    with node_factory(GATE, cri=True) as (node, ctd):
-        cri = CRIClient(ctd.address)
-        try:
-            cri.pull_image(images["victim-lazy"])
-            cri.pull_image(images["victim-gzip"])
-            assert cri.run(images["victim-gzip"], CMD, str(tmp_path), "share-g") == VICTIM
-            assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "share-z") == VICTIM
-            lazy = {c["proof"] for c in status(node)["chains"] if c["kind"] == "lazy"}
-            assert lazy == {"proven"}
-        finally:
-            cri.close()
+    with cri_node(node_factory, GATE) as (node, ctd, cri):
+        cri.pull_image(images["victim-lazy"])
+        cri.pull_image(images["victim-gzip"])
+        assert cri.run(images["victim-gzip"], CMD, str(tmp_path), "share-g") == VICTIM
+        assert cri.run(images["victim-lazy"], CMD, str(tmp_path), "share-z") == VICTIM
+        lazy = {c["proof"] for c in status(node)["chains"] if c["kind"] == "lazy"}
+        assert lazy == {"proven"}
 
 
 # --- gzip (node-unpacked) ------------------------------------------------------------------------
@@ -323,28 +321,24 @@ def test_gzip_poisoning_through_shoal_pull(images, node_factory):
 
 
 def test_gzip_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
-    from tests.cri import CRIClient, CRIError
+    from tests.cri import CRIError
 
-    with node_factory(cri=True) as (node, ctd):
-        cri = CRIClient(ctd.address)
+    with cri_node(node_factory) as (node, ctd, cri):
         try:
-            try:
-                cri.pull_image(images["attacker-gzip"])
-            except CRIError as e:
-                assert "diff_id" in e.details
-            try:
-                cri.pull_image(images["victim-gzip"])
-            except CRIError as e:
-                # containerd's own race: the failed pull's base snapshot, Stat-ed by the
-                # victim's unpacker, is garbage-collected before the unpacker stacks on it
-                if "parent snapshot" not in e.details:
-                    raise
-                cri.pull_image(images["victim-gzip"])
-            out = cri.run(images["victim-gzip"], CMD, str(tmp_path), "poison-gz")
-            assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
-            assert out == VICTIM
-        finally:
-            cri.close()
+            cri.pull_image(images["attacker-gzip"])
+        except CRIError as e:
+            assert "diff_id" in e.details
+        try:
+            cri.pull_image(images["victim-gzip"])
+        except CRIError as e:
+            # containerd's own race: the failed pull's base snapshot, Stat-ed by the
+            # victim's unpacker, is garbage-collected before the unpacker stacks on it
+            if "parent snapshot" not in e.details:
+                raise
+            cri.pull_image(images["victim-gzip"])
+        out = cri.run(images["victim-gzip"], CMD, str(tmp_path), "poison-gz")
+        assert ATTACKER not in out, "the victim's pod ran on the attacker's layer"
+        assert out == VICTIM
 
 
 # --- the proof itself --------------------------------------------------------------------------
