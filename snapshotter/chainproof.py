@@ -61,6 +61,7 @@ from snapshotter.snapshotter import (
     PROVEN,
     FailedPrecondition,
     Kind,
+    NotFound,
     ProofFailed,
     RemoteLayer,
     RemoteLayers,
@@ -402,6 +403,8 @@ class ChainProofs:
                 try:
                     self._remove(r.key, r.id)
                     log.warning("removed %s (%s): it stands on a bad lazy layer", chain_id_of(r), r.key)
+                except NotFound:
+                    continue  # containerd's garbage collection removed it first (it forgot it just now)
                 except ShoalError as e:
                     log.error("cannot remove bad chain %s: %s", r.key, e)
                     return

@@ -197,6 +197,22 @@ def test_lazy_poisoning_through_shoal_pull_is_caught_by_the_pull(images, node_fa
         assert chains[chain]["layer"] == _layers(images["victim-lazy"])[-1]
 
 
+def test_lazy_poisoning_across_namespaces(images, node_factory):
+    """The attacker in one containerd namespace, the victim in another: the victim's
+    Prepare of the chain reaches the node, which finds the chain made from another blob,
+    proves it bad, and provides it from the victim's layer."""
+    with node_factory(GATE) as (node, ctd):
+        assert shoal_pull(images["attacker-lazy"], ctd, namespace="tenant-a").returncode == 0
+        pulled = shoal_pull(images["victim-lazy"], ctd, namespace="tenant-b")
+        assert pulled.returncode == 0, pulled.stderr
+        proc = run(ctd, images["victim-lazy"], "poison-ns-v", namespace="tenant-b")
+        assert_victim_safe(proc, [])
+        assert proc.returncode == 0 and proc.stdout == VICTIM, proc.stderr
+        # the attacker's image in its own namespace lost the chain its config lied about
+        chain = _chains(images["victim-lazy"])[-1]
+        assert {c["chain"]: c["layer"] for c in status(node)["chains"]}[chain] == _layers(images["victim-lazy"])[-1]
+
+
 def test_lazy_poisoning_through_cri_pull_fails_the_victims_start_then_heals(images, node_factory):
     """CRI: the victim's PullImage never reaches the node (containerd's unpacker finds
     the chain); the victim's container Prepare does, and the gate finds that another
@@ -279,6 +295,34 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
         again = shoal_pull(images["attacker-lazy"], ctd)
         assert again.returncode == 1
         assert f"layer {layer} cannot be chain {top}: its content is diff_id" in one_line(again.stderr)
+
+
+def test_a_pending_proof_is_taken_up_again_after_a_node_restart(images, node_factory):
+    """Proof state lives in the node's metadata: a layer still pending when the node
+    stops is proven by the next node process (its bad verdict is kept, labels and
+    proof table)."""
+    from tests.services import NodeProcess
+
+    with node_factory(GATE) as (node, ctd):
+        assert shoal_pull(images["attacker-lazy"], ctd).returncode == 0
+        base, top = _chains(images["attacker-lazy"])
+        assert {c["chain"]: c["proof"] for c in status(node)["chains"]} == {base: "pending", top: "pending"}
+        node.stop()
+        config = node.root.parent / "node.toml"
+        config.write_text(config.read_text().replace("prove_after = 3600.0", "prove_after = 0.0"))
+        again = NodeProcess(node.root, node.socket, node.log_path, ("--config", str(config)))
+        try:
+            # the bad chain is removed (no container uses it), and with it the base, which
+            # no image references any more (containerd's garbage collection)
+            wait_for(lambda: top not in {c["chain"] for c in status(node)["chains"]},
+                     "the proofs after the restart", timeout=60, interval=0.3)
+            log = node.log_path.read_text()
+            assert f"chain {base} (layer {_layers(images['attacker-lazy'])[0]}" in log and "): proven" in log
+            assert f"was provided as chain {top}" in log
+            refused = shoal_pull(images["attacker-lazy"], ctd)
+            assert refused.returncode == 1 and "cannot be chain" in one_line(refused.stderr)
+        finally:
+            again.stop()
 
 
 def test_a_legitimate_share_of_one_diff_id_by_gzip_and_lazy_images_works(images, node_factory):
