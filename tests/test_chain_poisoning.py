@@ -275,6 +275,10 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
             assert [ly["proof"] for ly in s["lazy_layers"] if ly["digest"] == layer] == ["bad"]
             text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True).stdout
             assert f"BAD chain {top}" in text
+            from snapshotter.client_cli import node_metrics
+
+            metrics = node_metrics(s)
+            assert 'shoal_node_chains{proof="bad"} 1' in metrics and 'shoal_node_chains{proof="proven"} 1' in metrics
             proc = ctd.ctr("task", "exec", "--exec-id", "x1", "poison-long", "/bin/cat", "/secret", check=False)
             assert proc.returncode != 0 and ATTACKER not in proc.stdout
             assert "input/output error" in (proc.stderr + proc.stdout).lower()
@@ -323,6 +327,13 @@ def test_a_pending_proof_is_taken_up_again_after_a_node_restart(images, node_fac
             assert refused.returncode == 1 and "cannot be chain" in one_line(refused.stderr)
         finally:
             again.stop()
+
+
+def test_with_prove_lazy_off_the_node_says_chains_are_trusted(images, node_factory):
+    with node_factory("[fetch]\nprove_lazy = false\nprove_after = 0.0\n") as (node, ctd):
+        assert "lazy layers are not proven ([fetch] prove_lazy = false)" in node.log_path.read_text()
+        assert shoal_pull(images["attacker-lazy"], ctd).returncode == 0
+        assert run(ctd, images["attacker-lazy"], "trusted-a").stdout == ATTACKER
 
 
 def test_a_legitimate_share_of_one_diff_id_by_gzip_and_lazy_images_works(images, node_factory):
