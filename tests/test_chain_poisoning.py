@@ -265,6 +265,8 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
         try:
             base, top = _chains(images["attacker-lazy"])
             layer = _layers(images["attacker-lazy"])[-1]
+            # read before the proof: its own bytes, now in the kernel's page cache
+            assert ctd.ctr("task", "exec", "--exec-id", "x0", "poison-long", *CMD).stdout == ATTACKER
 
             def decided():
                 s = status(node)

@@ -319,6 +319,22 @@ class LayerFS(pyfuse3.Operations):
                       layer.image or "?", reason)
         layer.bad = reason
 
+    def drop_cached_pages(self, layer_id: str) -> None:
+        """Have the kernel forget the pages it holds of the layer's files (keep_cache), so
+        that reads after mark_bad reach this process and fail. Any thread (the file
+        system has no writeback cache, so the call does not wait on us)."""
+        layer = self.layers.get(layer_id)
+        if layer is None:
+            return
+        for node in list(layer.view.nodes.values()):
+            entry = layer.view.reader.entries.get(node.path)
+            if node.whiteout or entry is None or entry.type != "reg":
+                continue
+            try:
+                pyfuse3.invalidate_inode((layer.number << LAYER_SHIFT) | node.ino, False)
+            except OSError:
+                pass  # an inode the kernel does not hold (ENOENT): nothing cached
+
     def proof_state(self, layer: Layer) -> dict:
         if layer.bad:
             return {"proof": "bad", "reason": layer.bad}
@@ -595,6 +611,7 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
             return {"ok": True, **answer}
         if op == "mark_bad":
             fs.mark_bad(str(req["id"]), str(req.get("reason") or "marked bad"))
+            await trio.to_thread.run_sync(fs.drop_cached_pages, str(req["id"]))
             return {"ok": True}
         if op == "prefetch":
             entries = req.get("chunks")
