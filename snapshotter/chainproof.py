@@ -77,7 +77,8 @@ LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 RETRY_FIRST, RETRY_MAX = 60.0, 3600.0  # seconds between failed background attempts
 BAD_REMOVAL_WAIT = 5.0  # seconds a Prepare that finds a bad target waits for the worker to remove it
-BAD_SWEEP = 10.0  # seconds between looks for bad chains no container uses any more
+BAD_SWEEP = 10.0
+PARENT_HOLD = 600.0  # seconds containerd keeps a removed bad chain's parent for the next pull  # seconds between looks for bad chains no container uses any more
 BACKGROUND_TIMEOUT = 6 * 3600.0  # a background proof of a huge blob at low priority
 
 
@@ -397,7 +398,9 @@ class ChainProofs:
                     continue  # removed meanwhile (containerd's garbage collection), perhaps provided anew
                 try:
                     if r.kind == Kind.COMMITTED:
-                        self._containerd.forget(r.key)
+                        with self.db.read() as tx:
+                            parent = tx.find(r.parent) if r.parent else None
+                        self._containerd.forget(r.key, chain_id_of(parent) if parent else "")
                 except (ShoalError, OSError) as e:
                     log.warning("cannot remove snapshot %s from containerd: %s", r.key, e)
                 try:
@@ -536,9 +539,12 @@ class ContainerdImages:
         finally:
             ctr.close()
 
-    def forget(self, key: str) -> None:
+    def forget(self, key: str, parent: str) -> None:
         """Remove snapshot `key` from containerd's metadata in every namespace that has it
-        (so that its next pull prepares it again instead of finding it)."""
+        (so that its next pull prepares it again instead of finding it). Its parent chain
+        `parent` is held there for PARENT_HOLD seconds first: with `key` gone, no image
+        may reference it, and containerd's garbage collection would take it while the
+        next pull's unpacker, which found it, stacks on it."""
         from snapshotter.pull import _RpcFailure
 
         ctr = self._connect("default")
@@ -550,6 +556,10 @@ class ContainerdImages:
             ctr = self._connect(namespace)
             try:
                 if ctr.snapshot_labels(self.snapshotter, key) is not None:
+                    if parent and ctr.snapshot_labels(self.snapshotter, parent) is not None:
+                        ctr.create_lease(PARENT_HOLD, "shoal-proof-parent")
+                        ctr.lease_snapshot(self.snapshotter, parent)
+                        ctr.lease = None  # it expires by itself
                     ctr.remove_snapshot(self.snapshotter, key)
                     log.info("removed snapshot %s from containerd's namespace %s", key, namespace)
             except _RpcFailure as e:

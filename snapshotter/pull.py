@@ -96,10 +96,11 @@ class _Containerd:
         except self.grpc.RpcError as e:
             raise _RpcFailure(e.code(), f"{what}: {e.details()}", e.details() or "") from None
 
-    def create_lease(self) -> None:
+    def create_lease(self, seconds: float = 3600.0, prefix: str = "shoal-pull") -> None:
+        """A lease for what follows (expiring after `seconds`), made this client's lease."""
         pb = self.pb
-        lease_id = f"shoal-pull-{secrets.token_hex(6)}"
-        expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        lease_id = f"{prefix}-{secrets.token_hex(6)}"
+        expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + seconds))
         req = pb.leases.CreateRequest(id=lease_id)
         pb.labels_to_pb(req.labels, {"containerd.io/gc.expire": expire})
         self.call(pb.leases_grpc.LeasesStub, "Create", req, "create lease")
