@@ -123,7 +123,8 @@ def start_region(work: Path, origin_url: str) -> tuple[subprocess.Popen, int, Pa
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [str(REPO / ".venv/bin/python"), "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
-             "--origin", origin_url, "--store", str(work / "region-store")],
+             "--origin", origin_url, "--store", str(work / "region-store"),
+             "--plain-http"],  # loopback; the figures compare serving, not TLS (docs/cache.md)
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
         )
     line = proc.stdout.readline().decode()

@@ -28,7 +28,13 @@ from typing import BinaryIO, Callable
 import zstandard
 
 from builder.oci.base import ImageDestination, ImageSource, Manifest
-from builder.oci.refs import check_destination, open_destination, open_source, parse_reference
+from builder.oci.documents import parse_config, parse_index, parse_manifest
+from builder.oci.refs import (
+    check_destination,
+    open_destination,
+    open_source,
+    parse_reference,
+)
 from builder.zstdchunked import LayerWriter, WriterOptions, location_from_annotations
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
@@ -114,16 +120,6 @@ def _dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _load_json(data: bytes, what: str) -> dict:
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise FormatError(f"{what} is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise FormatError(f"{what} is not a JSON object")
-    return obj
-
-
 class _ChunkIndex:
     """Remembers chunk digests across conversions (for cross-image dedup reports)."""
 
@@ -182,18 +178,18 @@ class Converter:
         return new_root
 
     def _convert_index(self, root: Manifest) -> Manifest:
-        index = _load_json(root.data, f"{self.src.reference}: index")
-        descs = index.get("manifests")
-        if not isinstance(descs, list) or not descs:
+        index = parse_index(root.data, self.src.reference)
+        descs = [d.raw for d in index.manifests]
+        if not descs:
             raise FormatError(f"{self.src.reference}: index lists no manifests")
-        selected = [d for d in descs if isinstance(d, dict) and _platform_matches(d, self.opt.platforms)]
+        selected = [d for d in descs if _platform_matches(d, self.opt.platforms)]
         if not selected:
-            have = ", ".join(sorted({_platform_of(d) for d in descs if isinstance(d, dict)}))
+            have = ", ".join(sorted({_platform_of(d) for d in descs}))
             raise UsageError(f"{self.src.reference}: no manifest for {', '.join(self.opt.platforms)} (has {have})")
         new_descs = []
         changed = len(selected) != len(descs) or root.media_type != mt.OCI_INDEX
         for d in selected:
-            digest = check_digest(d.get("digest"), f"{self.src.reference}: index entry digest")
+            digest = d["digest"]
             if d.get("mediaType") in mt.INDEX_TYPES:
                 raise FormatError(f"{self.src.reference}: nested indexes are not supported ({digest})")
             child = self.src.get_manifest(digest)
@@ -205,7 +201,7 @@ class Converter:
             new_descs.append(nd)
         if not changed:
             return root
-        new_index = dict(index)
+        new_index = dict(index.raw)
         new_index.update(schemaVersion=2, mediaType=mt.OCI_INDEX, manifests=new_descs)
         data = _dumps(new_index)
         return Manifest(data, mt.OCI_INDEX, sha256_digest(data))
@@ -231,17 +227,14 @@ class Converter:
 
     def _convert_manifest(self, m: Manifest, platform: str | None) -> Manifest:
         what = f"{self.src.reference}" + (f" [{platform}]" if platform else "")
-        doc = _load_json(m.data, f"{what}: manifest")
-        config = doc.get("config")
-        layers = doc.get("layers")
-        if not isinstance(config, dict) or not isinstance(layers, list):
-            raise FormatError(f"{what}: manifest has no config or layers")
+        man = parse_manifest(m.data, what)
+        doc, config, layers = man.raw, man.config.raw, [ly.raw for ly in man.layers]
+        is_image = man.config.media_type in (mt.OCI_CONFIG, mt.DOCKER_CONFIG)
+        if is_image:
+            config_bytes = self.src.read_small_blob(man.config.digest, man.config.size, f"{what}: config")
+            diff_ids = parse_config(config_bytes, what, len(layers)).diff_ids
         self._copy_blob(config, f"{what}: config")
-        config_doc = _load_json(
-            self._read_small_blob(config, f"{what}: config"), f"{what}: config {config.get('digest')}"
-        )
-        diff_ids = (config_doc.get("rootfs") or {}).get("diff_ids")
-        if config.get("mediaType") not in (mt.OCI_CONFIG, mt.DOCKER_CONFIG):
+        if not is_image:
             # Not a container image (an attestation, a signature, an artifact): copy as is.
             log.info("%s: manifest %s is not a container image; copied unchanged", what, m.digest)
             for ly in layers:
@@ -249,14 +242,9 @@ class Converter:
             self.manifests.append({"platform": platform, "source_digest": m.digest, "digest": m.digest})
             return m
         for i, ly in enumerate(layers):
-            if not isinstance(ly, dict) or ly.get("mediaType") not in mt.LAYER_COMPRESSION:
-                kind = ly.get("mediaType") if isinstance(ly, dict) else ly
-                raise FormatError(
-                    f"{what}: layer {i + 1}/{len(layers)} {ly.get('digest') if isinstance(ly, dict) else ''}: "
-                    f"unsupported layer media type {str(kind)[:100]!r}"
-                )
-        if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
-            raise FormatError(f"{what}: config lists {len(diff_ids or [])} diff_ids for {len(layers)} layers")
+            if ly["mediaType"] not in mt.LAYER_COMPRESSION:
+                raise FormatError(f"{what}: layer {i + 1}/{len(layers)} {ly['digest']}: "
+                                  f"unsupported layer media type {ly['mediaType'][:100]!r}")
         new_layers = []
         for i, ly in enumerate(layers):
             new_layers.append(self._convert_layer(ly, i, len(layers), diff_ids[i], what))
@@ -273,16 +261,6 @@ class Converter:
             new = Manifest(data, mt.OCI_MANIFEST, sha256_digest(data))
         self.manifests.append({"platform": platform, "source_digest": m.digest, "digest": new.digest})
         return new
-
-    def _read_small_blob(self, desc: dict, what: str) -> bytes:
-        size = desc.get("size")
-        if not isinstance(size, int) or size > (16 << 20):
-            raise FormatError(f"{what}: config size {size!r} out of range")
-        with self.src.open_blob(desc["digest"], size) as stream:
-            data = stream.read(size + 1)
-            while stream.read(1 << 16):  # drain so the digest is checked
-                pass
-        return data
 
     def _convert_layer(self, desc: dict, i: int, n: int, diff_id: object, image: str) -> dict:
         src_digest = check_digest(desc.get("digest"), f"{image}: layer {i + 1} digest")

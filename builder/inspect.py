@@ -8,13 +8,14 @@ import logging
 import tempfile
 from typing import BinaryIO
 
-from builder.convert import _Decompressing, _hash_tar, _load_json, _platform_of
+from builder.convert import _Decompressing, _hash_tar, _platform_of
 from builder.oci.base import ImageSource, Manifest
+from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import open_source
 from builder.zstdchunked import (
     FOOTER_SIZE,
-    TocLocation,
     Toc,
+    TocLocation,
     decode_chunk,
     decompress_toc,
     location_from_annotations,
@@ -119,11 +120,10 @@ def _manifests(src: ImageSource) -> list[tuple[str | None, Manifest]]:
         return [(None, root)]
     if root.media_type not in mt.INDEX_TYPES:
         raise FormatError(f"{src.reference}: unsupported manifest type {root.media_type}")
-    index = _load_json(root.data, f"{src.reference}: index")
     out = []
-    for d in index.get("manifests") or []:
-        if isinstance(d, dict) and d.get("mediaType") in mt.MANIFEST_TYPES + (None,):
-            out.append((_platform_of(d), src.get_manifest(check_digest(d.get("digest")))))
+    for d in parse_index(root.data, src.reference).manifests:
+        if d.media_type in mt.MANIFEST_TYPES:
+            out.append((_platform_of(d.raw), src.get_manifest(d.digest)))
     return out
 
 
@@ -136,14 +136,12 @@ def inspect(ref: str, plain_http: bool = False, verify: bool = False) -> dict:
         report["media_type"] = root.media_type
         for platform, m in _manifests(src):
             what = ref + (f" [{platform}]" if platform else "")
-            doc = _load_json(m.data, f"{what}: manifest")
-            layers = doc.get("layers") or []
-            config = doc.get("config") or {}
+            man = parse_manifest(m.data, what)
+            layers = [ly.raw for ly in man.layers]
             diff_ids: list = []
-            if config.get("mediaType") in (mt.OCI_CONFIG, mt.DOCKER_CONFIG):
-                with src.open_blob(check_digest(config.get("digest")), config.get("size")) as s:
-                    cfg = _load_json(s.read(), f"{what}: config")
-                diff_ids = (cfg.get("rootfs") or {}).get("diff_ids") or []
+            if man.config.media_type in (mt.OCI_CONFIG, mt.DOCKER_CONFIG):
+                config = src.read_small_blob(man.config.digest, man.config.size, f"{what}: config")
+                diff_ids = parse_config(config, what, len(layers)).diff_ids
             mrep: dict = {"platform": platform, "digest": m.digest, "layers": []}
             for i, desc in enumerate(layers):
                 lwhat = f"{what}: layer {i + 1}/{len(layers)} {desc.get('digest')}"

@@ -19,6 +19,13 @@ plain manifests and tags is needed):
 A profile is only a hint: its ranges are checked against each layer's TOC (a range that
 is not a chunk is skipped) and every chunk is verified by its digest as always. A bad or
 missing profile makes no difference to what a container reads, only to when.
+
+Anyone who can push to the image's repository can publish its profile, so a profile is
+bounded in what it can make a node do: at most MAX_PROFILE_BYTES of JSON and MAX_CHUNKS
+entries, each range named once (a repeated range is dropped), only the layers of the
+manifest it is bound to (its tag, its manifest annotation and its "manifest" field all
+name that digest), and a node fetches at most `[fetch] prefetch_max_bytes` of its ranges
+(`Profile.bounded`), the first ones in profile order.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from builder.oci.base import Manifest
+from builder.oci.documents import load_document, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistryDestination, RegistrySource
 from shoal import mediatypes as mt
@@ -77,13 +85,8 @@ class Profile:
         """Parse and check a profile of the image `manifest` (whose layers, if given,
         must include every layer the profile names). Raises FormatError."""
         what = f"access profile of {manifest}"
-        if len(data) > MAX_PROFILE_BYTES:
-            raise FormatError(f"{what}: {len(data)} bytes, more than {MAX_PROFILE_BYTES}")
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FormatError(f"{what}: not JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("schemaVersion") != 1:
+        doc = load_document(data, what, MAX_PROFILE_BYTES)
+        if doc.get("schemaVersion") != 1:
             raise FormatError(f"{what}: not a version 1 profile")
         if doc.get("manifest") != manifest:
             raise FormatError(f"{what}: it describes {str(doc.get('manifest'))[:80]!r}")
@@ -96,13 +99,23 @@ class Profile:
         allowed = set(layers) if layers is not None else None
         if allowed is not None and not set(names) <= allowed:
             raise FormatError(f"{what}: names layers the image does not have")
-        chunks = []
+        chunks: dict[tuple[str, int, int], None] = {}  # ordered, each range once
         for e in entries:
             if not (isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e)
                     and 0 <= e[0] < len(names) and 0 <= e[1] < e[2]):
                 raise FormatError(f"{what}: bad chunk entry {str(e)[:80]}")
-            chunks.append((names[e[0]], e[1], e[2]))
-        return cls(manifest, chunks)
+            chunks[(names[e[0]], e[1], e[2])] = None
+        return cls(manifest, list(chunks))
+
+    def bounded(self, max_bytes: int) -> Profile:
+        """The longest prefix of the profile whose ranges add up to at most `max_bytes`
+        compressed bytes: what a node lets a profile make it fetch."""
+        total = 0
+        for i, (_, start, end) in enumerate(self.chunks):
+            total += end - start
+            if total > max_bytes:
+                return Profile(self.manifest, self.chunks[:i])
+        return self
 
 
 def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,
@@ -115,13 +128,15 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
             art = src.get_root()
         except NotFound:
             return None
-        doc = json.loads(art.data)
-        blobs = [d for d in doc.get("layers") or [] if isinstance(d, dict) and d.get("mediaType") == PROFILE_MEDIA_TYPE]
-        if len(blobs) != 1 or not isinstance(blobs[0].get("size"), int):
-            raise FormatError(f"{src.reference}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
-        if blobs[0]["size"] > MAX_PROFILE_BYTES:
-            raise FormatError(f"{src.reference}: profile of {blobs[0]['size']} bytes, more than {MAX_PROFILE_BYTES}")
-        data = src.read_blob(check_digest(blobs[0].get("digest")), blobs[0]["size"])  # verified by digest
+        what = str(src.reference)
+        doc = parse_manifest(art.data, what)
+        blobs = [d for d in doc.layers if d.media_type == PROFILE_MEDIA_TYPE]
+        if len(blobs) != 1:
+            raise FormatError(f"{what}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
+        bound = doc.annotations.get(MANIFEST_ANNOTATION)
+        if bound != manifest_digest:
+            raise FormatError(f"{what}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
+        data = src.read_small_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
         return Profile.from_json(data, manifest_digest, layers)
     finally:
         src.close()

@@ -432,7 +432,9 @@ class LayerEntries:
     - whiteouts only of a valid name in their own directory (whiteout_target), never a
       directory themselves, and no entry below a whiteout name;
     - hard links only to an earlier entry of this layer that is not a directory, a hard
-      link or a whiteout.
+      link or a whiteout;
+    - no entry below a name this layer itself makes a symlink (or any non-directory):
+      `esc -> /tmp` then `esc/file` is refused here, as the node's unpack refuses it.
     The checker never touches a file system; what a name resolves to on disk (symlinks
     in its parents) is the writer's business (snapshotter/unpack.py opens every parent
     without following links).
@@ -448,6 +450,13 @@ class LayerEntries:
         parent = clean.rpartition("/")[0]
         if any(part.startswith(WHITEOUT_PREFIX) for part in parent.split("/")):
             raise FormatError("a whiteout name cannot hold entries")
+        at = parent
+        while at:  # every parent this layer itself made must be a directory (no path through its own links)
+            made = self.seen.get(at)
+            if made is not None and made != "dir":
+                what = {"reg": "file", "hardlink": "hard link", "char": "device", "block": "device"}.get(made, made)
+                raise FormatError(f"path goes through {at[:200]!r}, which this layer makes a {what}, not a directory")
+            at = at.rpartition("/")[0]
         kind = type
         if whiteout_target(clean) is not None:
             if type == "dir":

@@ -23,6 +23,11 @@ Trust, anchored on the blob digest:
   (NodeChunkLoader), and a blob downloaded whole is checked against its sha256 before
   it is seeded as complete. Bad metadata can cost a node its swarm, never a wrong byte.
 
+A region's torrents are SSL torrents (libtorrent's `ssl-cert` key in the info dict: the
+region's swarm CA): peers connect over TLS and each must present a certificate that CA
+signed for the torrent's name, which the region issues only to nodes the origin lets
+read the blob's repository (docs/p2p.md, "Who may get pieces").
+
 The announce URL lives outside the info dict, so it is not part of the info hash: the
 region serves the same info dict under whatever tracker address its clients use.
 """
@@ -96,8 +101,10 @@ class InfoBuilder:
                 self._hashes.append(self._piece.digest())
                 self._piece, self._in_piece = hashlib.sha1(), 0
 
-    def finish(self, digest: str | None = None) -> tuple[str, bytes]:
-        """(blob digest, bencoded info dict). With `digest`, the bytes must hash to it."""
+    def finish(self, digest: str | None = None, ssl_cert: bytes = b"") -> tuple[str, bytes]:
+        """(blob digest, bencoded info dict). With `digest`, the bytes must hash to it.
+        `ssl_cert`: the PEM CA certificate of an SSL torrent (libtorrent's `ssl-cert`:
+        peers talk TLS and must present a certificate it signed for the torrent's name)."""
         if self._fed != self.size:
             raise DigestMismatch(f"blob is {self._fed} bytes, want {self.size}")
         if self._in_piece:
@@ -113,10 +120,13 @@ class InfoBuilder:
             "pieces": b"".join(self._hashes),
             "private": 1,
         }
+        if ssl_cert:
+            info["ssl-cert"] = ssl_cert
         return got, bencode.encode(info)
 
 
-def make_info(stream: BinaryIO, size: int, digest: str | None = None, piece_size: int | None = None) -> bytes:
+def make_info(stream: BinaryIO, size: int, digest: str | None = None, piece_size: int | None = None,
+              ssl_cert: bytes = b"") -> bytes:
     """The bencoded info dict of the blob read from `stream` (checked against `digest`)."""
     builder = InfoBuilder(size, piece_size)
     left = size
@@ -126,7 +136,7 @@ def make_info(stream: BinaryIO, size: int, digest: str | None = None, piece_size
             raise DigestMismatch(f"blob ends after {size - left} of {size} bytes")
         builder.update(data)
         left -= len(data)
-    return builder.finish(digest)[1]
+    return builder.finish(digest, ssl_cert)[1]
 
 
 def torrent_file(info: bytes, announce: str | None = None) -> bytes:
@@ -160,6 +170,7 @@ class TorrentMeta:
     length: int
     piece_length: int
     hashes: bytes  # 20 bytes per piece
+    ssl_cert: bytes = b""  # an SSL torrent's CA certificate (PEM); b"": peers talk plain BitTorrent
 
     @property
     def num_pieces(self) -> int:
@@ -210,7 +221,10 @@ def parse_info(info: bytes, digest: str, size: int | None = None) -> TorrentMeta
     if not isinstance(pieces, bytes) or len(pieces) != 20 * -(-length // plen):
         raise FormatError(f"{what}: {len(pieces) if isinstance(pieces, bytes) else '?'} bytes of piece hashes "
                           f"for {-(-length // plen)} pieces")
-    return TorrentMeta(digest, info, hashlib.sha1(info).digest(), length, plen, pieces)
+    ssl_cert = d.get(b"ssl-cert", b"")
+    if not isinstance(ssl_cert, bytes) or (ssl_cert and b"-----BEGIN CERTIFICATE-----" not in ssl_cert):
+        raise FormatError(f"{what}: ssl-cert is not a PEM certificate")
+    return TorrentMeta(digest, info, hashlib.sha1(info).digest(), length, plen, pieces, ssl_cert)
 
 
 def parse_torrent(data: bytes, digest: str, size: int | None = None) -> tuple[TorrentMeta, str | None]:

@@ -279,7 +279,8 @@ class LabRegistry:
         return n, total
 
 
-def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
+def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None) -> LabRegistry:
+    """docker-registry in the hub; `auth`: its `auth` configuration (e.g. token), if any."""
     storage = workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
     config = workdir / "registry.yml"
@@ -288,6 +289,7 @@ def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
         "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(storage)}},
         "http": {"addr": f"{HUB_IP}:{port}", "secret": os.urandom(16).hex()},
+        **({"auth": auth} if auth else {}),
     }))
     log_path = workdir / "registry.log"
     with open(log_path, "wb") as log:
@@ -311,11 +313,27 @@ def wait_http(lab: Lab, host: Host, url: str, proc: subprocess.Popen, timeout: f
     raise RuntimeError(f"{url} did not answer within {timeout}s")
 
 
-def http_get(lab: Lab, host: Host, *urls: str, timeout: float = 30) -> list[str]:
-    """The bodies (text) of GET `urls`, fetched from inside the host's namespace."""
-    code = ("import sys,json,urllib.request\n"
-            "print(json.dumps([urllib.request.urlopen(u, timeout=10).read().decode() for u in sys.argv[1:]]))\n")
-    out = lab.run(host, [sys.executable, "-c", code, *urls], timeout=timeout)
+# urllib from inside a namespace: argv[1] a CA file ("" = none), argv[2] request headers
+# (JSON), then its own arguments; defines get(url) -> response
+_GET = ("import sys,json,ssl,urllib.request\n"
+        "ca,headers=sys.argv[1],json.loads(sys.argv[2])\n"
+        "ctx=ssl.create_default_context(cafile=ca) if ca else None\n"
+        "def get(u):\n"
+        "    return urllib.request.urlopen(urllib.request.Request(u, headers=headers), timeout=10, context=ctx)\n")
+
+
+def _headers(token: str = "", authorization: str = "") -> str:
+    from p2p.tracker import TOKEN_HEADER
+
+    return json.dumps({**({TOKEN_HEADER: token} if token else {}),
+                       **({"Authorization": authorization} if authorization else {})})
+
+
+def http_get(lab: Lab, host: Host, *urls: str, timeout: float = 30, ca: str = "", token: str = "") -> list[str]:
+    """The bodies (text) of GET `urls`, fetched from inside the host's namespace
+    (trusting `ca`, with the node token `token` if given)."""
+    code = _GET + "print(json.dumps([get(u).read().decode() for u in sys.argv[3:]]))\n"
+    out = lab.run(host, [sys.executable, "-c", code, ca, _headers(token), *urls], timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"GET {' '.join(urls)} in {host.ns}: {out.stderr[-1000:]}")
     return json.loads(out.stdout)
@@ -377,19 +395,34 @@ class LabRegion:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    ca: str = ""  # the region's own CA certificate (nodes pin it); "" over plain HTTP
+    token_file: str = ""  # the node token nodes present to /p2p/v1
+
+    @property
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip() if self.token_file else ""
+
+    def fetch_config(self) -> dict:
+        """A node's [fetch] keys for this region."""
+        out = {"region_url": self.url, "region_token_file": self.token_file}
+        if self.ca:
+            out["region_ca"] = self.ca
+        return out
 
     def status(self, lab: Lab) -> dict:
         """The region cache's /-/status and the swarm service's /p2p/v1/status."""
-        region, swarm = http_get(lab, lab.hub, self.url + "/-/status", self.url + "/p2p/v1/status")
+        region, swarm = http_get(lab, lab.hub, self.url + "/-/status", self.url + "/p2p/v1/status",
+                                 ca=self.ca, token=self.token)
         return {"region": json.loads(region), "swarm": json.loads(swarm)}
 
     def metrics(self, lab: Lab) -> str:
-        return http_get(lab, lab.hub, self.url + "/-/metrics")[0]
+        return http_get(lab, lab.hub, self.url + "/-/metrics", ca=self.ca)[0]
 
 
 def start_region(lab: Lab, workdir: Path, registry: LabRegistry, port: int = 5080,
                  config: str = "") -> LabRegion:
-    """`shoal region` (cache + swarm service) in the hub; `config`: its TOML, if any."""
+    """`shoal region` (cache + swarm service) in the hub, over HTTPS with the CA and the
+    node token it makes at first start (in its store); `config`: its TOML, if any."""
     store = workdir / "region"
     store.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "region.log"
@@ -403,23 +436,29 @@ def start_region(lab: Lab, workdir: Path, registry: LabRegistry, port: int = 508
     line = read_line(proc, 30)
     if not line.startswith("shoal region: serving"):
         raise RuntimeError(f"region: unexpected {line!r}")
-    return LabRegion(f"http://{HUB_IP}:{port}", proc, log_path)
+    scheme = line.split(" on ", 1)[1].split("://", 1)[0]
+    tls = store / "tls"
+    return LabRegion(f"{scheme}://{HUB_IP}:{port}", proc, log_path, str(tls / "ca.pem") if scheme == "https" else "",
+                     str(tls / "node-token"))
 
 
 def wait_torrent(lab: Lab, region: LabRegion, registry: LabRegistry, repository: str, digest: str,
-                 timeout: float = 120) -> bytes:
+                 timeout: float = 120, authorization: str = "") -> bytes:
     """The blob's .torrent from the region, once made (the region fills the blob from the
-    origin on the first metadata request and answers 404 meanwhile)."""
-    code = ("import sys,time,urllib.request,urllib.error\n"
-            "end=time.monotonic()+float(sys.argv[2])\n"
-            "while True:\n"
-            "    try:\n"
-            "        sys.stdout.buffer.write(urllib.request.urlopen(sys.argv[1], timeout=10).read()); break\n"
-            "    except urllib.error.HTTPError as e:\n"
-            "        if e.code != 404 or time.monotonic() > end: raise\n"
-            "        time.sleep(0.2)\n")
+    origin on the first metadata request and answers 404 meanwhile); `authorization`:
+    registry credentials for a private repository."""
+    code = _GET + ("import time,urllib.error\n"
+                   "end=time.monotonic()+float(sys.argv[4])\n"
+                   "while True:\n"
+                   "    try:\n"
+                   "        sys.stdout.buffer.write(get(sys.argv[3]).read()); break\n"
+                   "    except urllib.error.HTTPError as e:\n"
+                   "        if e.code != 404 or time.monotonic() > end: raise\n"
+                   "        time.sleep(0.2)\n")
     url = f"{region.url}/p2p/v1/torrents/{digest}?repo={repository}&ns={registry.host}"
-    proc = lab.run(lab.hub, [sys.executable, "-c", code, url, str(timeout)], timeout=timeout + 30, text=False)
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, region.ca, _headers(region.token, authorization), url,
+                             str(timeout)],
+                   timeout=timeout + 30, text=False)
     if proc.returncode != 0:
         raise RuntimeError(f"no torrent for {digest} from the region: {proc.stderr.decode()[-1000:]}")
     return proc.stdout
@@ -450,7 +489,7 @@ class LabImage:
 
 
 def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Path, name: str,
-                  timeout: float = 120) -> LabImage:
+                  timeout: float = 120, authorization: str = "") -> LabImage:
     """Copy an OCI layout's image (converted already: its layers pass through) to the
     origin as REGISTRY/`name` with `shoal convert`, and wait until the region serves the
     torrent of every layer (which also fills the layers into the region)."""
@@ -468,7 +507,7 @@ def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Pa
     image = LabImage(ref, root.digest, doc["layers"], diff_ids)
     for layer in image.layers:
         image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
-                                                       timeout)
+                                                       timeout, authorization)
     return image
 
 
@@ -575,16 +614,18 @@ class LabNode:
 
 
 def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, registry: LabRegistry,
-                swarm: dict | None = None, metrics: bool = False, timeout: float = 30) -> list[LabNode]:
+                swarm: dict | None = None, metrics: bool = False, timeout: float = 30,
+                env: dict | None = None, fetch: dict | None = None) -> list[LabNode]:
     """One `shoal node` per host (the swarm on, listening on the host's address; the
     region and origin in the hub), started at once; returns when all answer. `workdir`
-    must be short: unix socket paths live in it."""
+    must be short: unix socket paths live in it. `env`: more environment (e.g. a
+    DOCKER_CONFIG of the nodes' own); `fetch`: [fetch] keys over the region's."""
     nodes = []
     for host in hosts:
         d = workdir / host.ns
         d.mkdir(parents=True)
         config = {
-            "fetch": {"region_url": region.url, "plain_http_hosts": [registry.host]},
+            "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host], **(fetch or {})},
             "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
         }
         metrics_address = ""
@@ -596,7 +637,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
         with open(d / "node.log", "ab") as log:
             proc = lab.popen(host, [SHOAL, "-v", "node", "--root", d / "root", "--socket", d / "s.sock",
                                     "--config", d / "node.toml"], stdout=log, stderr=subprocess.STDOUT,
-                             cwd=REPO_ROOT, env=_env())
+                             cwd=REPO_ROOT, env={**_env(), **(env or {})})
         nodes.append(LabNode(host, proc, d, metrics_address))
     deadline = time.monotonic() + timeout
     for node in nodes:
@@ -653,7 +694,7 @@ def spawn_agent(lab: Lab, host: Host, workdir: Path, region: LabRegion, swarm: d
     root = workdir / host.ns
     root.mkdir(parents=True, exist_ok=True)
     control = str(root / "control.sock")
-    config = {"region_url": region.url, "root": str(root),
+    config = {**region.fetch_config(), "root": str(root),
               "swarm": {"enabled": swarm_enabled, "listen": f"{host.ip}:6881", "advertise_ip": host.ip,
                         **(swarm or {})}}
     log_path = root / "agent.log"

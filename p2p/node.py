@@ -23,6 +23,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
 from p2p.control import SOCKET_NAME, Control, ControlServer
 from p2p.swarm import Swarm, SwarmConfig, SwarmSource
@@ -71,7 +72,7 @@ def make_swarm(config: dict, fallback: FetchChain | None) -> Swarm:
     url = sc.metadata_url or config.get("region_url") or ""
     if not url:
         raise ShoalError("swarm: no metadata service (set swarm.metadata_url or region_url)")
-    metadata = MetadataClient(url, os.path.join(sc.storage, "meta"))
+    metadata = MetadataClient(RegionLink.from_config(config, url, with_token=True), os.path.join(sc.storage, "meta"))
     return Swarm(sc, metadata, fallback).start()
 
 

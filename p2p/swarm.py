@@ -60,15 +60,16 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from urllib.parse import urlencode, urlparse
 
 import libtorrent as lt
 
-from cache.source import BlobRef, FetchChain, Held, NotHere, Source
+from cache.source import BlobRef, FetchChain, Held, NotHere, RangesFailed, Source
 from p2p.metainfo import TorrentMeta, slice_pieces
-from p2p.tracker.client import MetadataClient
+from p2p.tracker.client import MetadataClient, TrackerRelay
 from p2p.tracker.peers import extent_key, jump_hash, rendezvous
+from shoal.config import build, host_port_check, limits, url_check
 from shoal.errors import ShoalError, TransportError
 
 log = logging.getLogger("shoal.swarm")
@@ -86,6 +87,24 @@ _HELPERS = 4
 _GROUP_SETTLE = 0.3  # a new bulk download starts fetching once its rank held this long ...
 _GROUP_SETTLE_MAX = 3.0  # ... or this long after it began
 _HELPER_PERIOD = 0.25  # seconds between bulk helper scans when no fetch ended
+_CERT_RETRY = 10.0  # seconds before the region is asked again for a peer certificate it refused
+# libtorrent's set_ssl_certificate wants a DH parameters file (an empty name fails the
+# torrent with ENOENT); the RFC 7919 group ffdhe2048, public and fixed
+_DH_PARAMS = """\
+-----BEGIN X9.42 DH PARAMETERS-----
+MIICDAKCAQEA//////////+t+FRYortKmq/cViAnPTzx2LnFg84tNpWp4TZBFGQz
++8yTnc4kmz75fS/jY2MMddj2gbICrsRhetPfHtXV/WVhJDP1H18GbtCFY2VVPe0a
+87VXE15/V8k1mE8McODmi3fipona8+/och3xWKE2rec1MKzKT0g6eXq8CrGCsyT7
+YdEIqUuyyOP7uWrat2DX9GgdT0Kj3jlN9K5W7edjcrsZCwenyO4KbXCeAvzhzffi
+7MA0BM0oNC9hkXL+nOmFg/+OTxIy7vKBg8P+OxtMb61zO7X8vC7CIAXFjvGDfRaD
+ssbzSibBsu/6iGtCOGEoXJf//////////wIBAgKCAQB//////////9b8KixRXaVN
+V+4rEBOennjsXOLB5xabStTwmyCKMhn95knO5xJNn3y+l/GxsYY67HtA2QFXYjC9
+ae+Paur+srCSGfqPr4M3aEKxsqqe9o152quJrz+r5JrMJ4Y4cHNFu/FTRO159/Q5
+DvisUJtW85qYVmUnpB08vV4FWMFZkn2w6IRUpdlkcf3ctW1bsGv6NA6noVHvHKb6
+Vyt287G5XYyFg9PkdwU2uE8BfnDm+/F2YBoCZpQaF7DIuX9OdMLB/8cniRl3eUDB
+4f8djaY31rmd2v5eF2EQAuLHeMG+i0HZY3mlE2DZd/1ENaEcMJQuS///////////
+-----END X9.42 DH PARAMETERS-----
+"""
 
 
 @dataclass
@@ -94,40 +113,46 @@ class SwarmConfig:
 
     enabled: bool = False  # the node turns the swarm on with swarm.enabled = true
     storage: str = ""  # torrent storage folder (the node sets <root>/swarm)
-    listen: str = "0.0.0.0:6881"  # libtorrent listen_interfaces (TCP)
+    # libtorrent listen_interfaces (TCP); "" = advertise_ip (or the route to the region):6881
+    listen: str = field(default="", metadata=limits(check=host_port_check))
+    # where SSL torrents' peers connect (TLS); "" = the listen address, port + 1
+    ssl_listen: str = field(default="", metadata=limits(check=host_port_check))
     advertise_ip: str = ""  # this node's address as peers see it; default: the route to the tracker
-    metadata_url: str = ""  # the region serving /p2p/v1/torrents; default: the node's region_url
-    tracker_url: str = ""  # announce here instead of the URL in the metadata
-    upload_rate_limit: int = 0  # applies to every peer, LAN included (peer class filter)
-    download_rate_limit: int = 0
-    connections_limit: int = 500
-    unchoke_slots: int = 64  # peers uploaded to at once
-    peer_wait: float = 1.0  # an on-demand read takes from the fallback what peers did not send by then
-    settle_wait: float = 0.5  # a first read of a blob waits this long at most to meet its peers
-    stall_timeout: float = 3.0  # bulk: without progress this long, fetch any piece nobody has
-    fallback_extent: int = 4 * MiB  # bulk: pieces fetched from the fallback per request
-    fallback_threads: int = 4
-    storage_capacity: int = 0  # bytes of torrent storage; 0: 25% of the free space at start
+    metadata_url: str = field(default="", metadata=limits(check=url_check()))  # the region serving /p2p/v1/torrents; default: the node's region_url
+    tracker_url: str = field(default="", metadata=limits(check=url_check()))  # announce here instead of the URL in the metadata
+    upload_rate_limit: int = field(default=0, metadata=limits(min=0, size=True))  # applies to every peer, LAN included (peer class filter)
+    download_rate_limit: int = field(default=0, metadata=limits(min=0, size=True))
+    connections_limit: int = field(default=500, metadata=limits(min=2, max=65535))
+    unchoke_slots: int = field(default=64, metadata=limits(min=1, max=65535))  # peers uploaded to at once
+    peer_wait: float = field(default=1.0, metadata=limits(min=0, max=600))  # an on-demand read takes from the fallback what peers did not send by then
+    settle_wait: float = field(default=0.5, metadata=limits(min=0, max=600))  # a first read of a blob waits this long at most to meet its peers
+    stall_timeout: float = field(default=3.0, metadata=limits(min=0.1, max=600))  # bulk: without progress this long, fetch any piece nobody has
+    fallback_extent: int = field(default=4 * MiB, metadata=limits(min=16 << 10, max=1 << 30, size=True))  # bulk: pieces fetched from the fallback per request
+    fallback_threads: int = field(default=4, metadata=limits(min=1, max=256))
+    storage_capacity: int = field(default=0, metadata=limits(min=0, size=True))  # bytes of torrent storage; 0: 25% of the free space at start
     verify_complete: bool = True  # check sha256 of a blob downloaded whole before seeding it
     ssrf_mitigation: bool = True  # libtorrent refuses loopback trackers not at /announce (tests turn it off)
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> SwarmConfig:
-        data = dict(data or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ShoalError(f"unknown configuration key swarm.{unknown[0]} (known: {', '.join(sorted(known))})")
-        config = cls(**data)
-        if config.fallback_extent < 16 << 10 or config.peer_wait < 0 or config.fallback_threads < 1:
-            raise ShoalError("swarm: fallback_extent >= 16K, peer_wait >= 0, fallback_threads >= 1")
-        return config
+    def from_dict(cls, data: dict | None, warnings: list[str] | None = None) -> SwarmConfig:
+        """Checked by shoal.config (ConfigError naming swarm.KEY); unknown keys go to
+        `warnings`."""
+        return build(cls, dict(data or {}), "swarm", warnings)
+
+
+def listen_interfaces(config: SwarmConfig) -> str:
+    """libtorrent's listen_interfaces: the plain socket and the SSL one (suffix "s")."""
+    ssl = config.ssl_listen
+    if not ssl:
+        host, _, port = config.listen.rpartition(":")
+        ssl = f"{host}:{int(port) + 1 if port.isdigit() and int(port) else 0}"
+    return f"{config.listen},{ssl}s"
 
 
 def session_settings(config: SwarmConfig) -> dict:
     """libtorrent settings for a data-centre LAN (reasons in docs/p2p.md)."""
     return {
-        "listen_interfaces": config.listen,
+        "listen_interfaces": listen_interfaces(config),
         "enable_dht": False, "enable_lsd": False, "enable_upnp": False, "enable_natpmp": False,
         "enable_outgoing_utp": False, "enable_incoming_utp": False,  # TCP only on a LAN
         "alert_mask": (lt.alert_category.status | lt.alert_category.error | lt.alert_category.storage
@@ -158,6 +183,14 @@ def session_settings(config: SwarmConfig) -> dict:
         "peer_fingerprint": "-SH0100-",
         "ssrf_mitigation": config.ssrf_mitigation,
     }
+
+
+def rank_url(tracker: str) -> str | None:
+    """The rank route beside a tracker's announce route (.../announce[?query]), or None."""
+    path, sep, query = tracker.partition("?")
+    if not path.endswith("/announce"):
+        return None
+    return path[: -len("/announce")] + "/rank" + sep + query
 
 
 def route_address(url: str) -> str:
@@ -201,6 +234,8 @@ class _Torrent:
     last_used: float = 0.0
     self_ip: str = ""
     helper: threading.Thread | None = None
+    cert_renew: float = 0.0  # when to ask for a new peer certificate (SSL torrents); 0: none held
+    cert_renewing: bool = False
 
 
 class Swarm:
@@ -216,8 +251,15 @@ class Swarm:
         self.config = config
         self.metadata = metadata
         self.fallback = fallback
+        if not config.listen:  # this node's address only: never every interface
+            ip = config.advertise_ip or route_address(metadata.url)
+            config.listen = f"[{ip}]:6881" if ":" in ip else f"{ip}:6881"
         self.data_dir = os.path.join(config.storage, "data")
         os.makedirs(self.data_dir, exist_ok=True)
+        self._cert_dir = os.path.join(config.storage, "certs")
+        self._dh = ""
+        self._peer_key, self._peer_public = self._make_peer_key()
+        self._cert_refused: dict[str, float] = {}  # digest -> until when the region is not asked again
         self._clean_partial()
         self.capacity = config.storage_capacity or self._default_capacity()
         self._torrents: dict[str, _Torrent] = {}  # digest -> torrent (owner thread writes)
@@ -244,8 +286,13 @@ class Swarm:
         self._downloaded_gone = 0
         self._peer_waits: list[float] = []
         self.listen_port = 0
+        self.ssl_listen_port = 0
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the tracker is on the LAN
         self._thread = threading.Thread(target=self._run, name="shoal-swarm", daemon=True)
+        # libtorrent announces through the relay (HTTPS, node token), on its own listen address
+        listen_host = config.listen.rpartition(":")[0].strip("[]")
+        self.relay = TrackerRelay(metadata.link, source_ip=config.advertise_ip,
+                                  bind_ip="127.0.0.1" if listen_host in ("0.0.0.0", "::", "") else listen_host)
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -264,11 +311,61 @@ class Swarm:
         self._wake()
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.relay.close()
         for fd in (self._alert_r, self._alert_w, self._cmd_r, self._cmd_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+    def _make_peer_key(self) -> tuple[str, bytes]:
+        """This session's peer key (a new one each start; 0600 in a 0700 folder), for the
+        certificates the region issues per SSL torrent. ("", b"") without cryptography."""
+        try:
+            from cache.region.tls import peer_key
+        except ImportError:
+            return "", b""
+        try:
+            private, public = peer_key()
+        except ImportError:
+            log.warning("swarm: the cryptography package is missing: SSL torrents (every torrent of a "
+                        "region with a swarm CA) are read from the region instead")
+            return "", b""
+        os.makedirs(self._cert_dir, mode=0o700, exist_ok=True)
+        os.chmod(self._cert_dir, 0o700)
+        path = os.path.join(self._cert_dir, "peer.key")
+        _write_private(path, private)
+        self._dh = os.path.join(self._cert_dir, "dh.pem")
+        _write_private(self._dh, _DH_PARAMS.encode())
+        return path, public
+
+    def _peer_cert(self, blob: BlobRef) -> tuple[str, float] | None:
+        """(path of a peer certificate for the blob's SSL torrent, seconds valid) from the
+        region, or None: refused (remembered for a while) or no key."""
+        if not self._peer_key or self._cert_refused.get(blob.digest, 0.0) > time.monotonic():
+            return None
+        got = self.metadata.certificate(blob, self._peer_public)
+        if got is None:
+            self._cert_refused[blob.digest] = time.monotonic() + _CERT_RETRY
+            return None
+        self._cert_refused.pop(blob.digest, None)
+        cert, ttl = got
+        path = os.path.join(self._cert_dir, f"sha256-{blob.digest[7:]}.pem")
+        _write_private(path, cert)
+        return path, ttl
+
+    def _renew_cert(self, t: _Torrent) -> None:
+        got = self._peer_cert(t.blob)
+
+        def apply() -> None:
+            t.cert_renewing = False
+            if got is None:
+                t.cert_renew = time.monotonic() + _CERT_RETRY  # keeps the one it has until it expires
+                return
+            t.handle.set_ssl_certificate(got[0], self._peer_key, self._dh, "")
+            t.cert_renew = time.monotonic() + got[1] / 2
+
+        self._call(apply)
 
     def _default_capacity(self) -> int:
         st = os.statvfs(self.data_dir)
@@ -320,6 +417,7 @@ class Swarm:
             self._apply_peer_classes()
             self._ses.set_alert_fd(self._alert_w)
             self.listen_port = self._ses.listen_port()
+            self.ssl_listen_port = self._ses.ssl_listen_port()
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._start_error = exc
             self._ready.set()
@@ -456,12 +554,14 @@ class Swarm:
 
     # --- torrents (owner thread) ------------------------------------------------------------
 
-    def _add(self, blob: BlobRef, meta: TorrentMeta, announce: str | None, complete: bool, bulk: bool) -> _Torrent:
+    def _add(self, blob: BlobRef, meta: TorrentMeta, announce: str | None, complete: bool, bulk: bool,
+             cert: tuple[str, float] | None = None) -> _Torrent:
         existing = self._torrents.get(blob.digest)
         if existing is not None:
             return existing
         self._evict_for(meta.length)
-        tracker = self.config.tracker_url or announce
+        upstream = self.config.tracker_url or announce
+        tracker = self.relay.url_for(upstream) if upstream else None
         path = os.path.join(self.data_dir, meta.name)
         t = _Torrent(blob=blob, meta=meta, path=path, have=bytearray(meta.num_pieces))
         atp = lt.add_torrent_params()
@@ -482,8 +582,11 @@ class Swarm:
         atp.flags = flags
         t.handle = self._ses.add_torrent(atp)
         now = time.monotonic()
+        if cert is not None:  # an SSL torrent: peers must show a certificate of the region's swarm CA
+            t.handle.set_ssl_certificate(cert[0], self._peer_key, self._dh, "")
+            t.cert_renew = now + cert[1] / 2
         t.added = t.last_progress = t.last_used = now
-        t.self_ip = self.config.advertise_ip or (route_address(tracker) if tracker else "")
+        t.self_ip = self.config.advertise_ip or (route_address(upstream) if upstream else "")
         t.tracker = tracker or ""
         if complete:
             t.complete, t.mode = True, "complete"
@@ -582,6 +685,9 @@ class Swarm:
 
     def _tick(self, now: float) -> None:
         for t in list(self._torrents.values()):
+            if t.cert_renew and now >= t.cert_renew and not t.cert_renewing:
+                t.cert_renewing = True
+                self._pool.submit(self._renew_cert, t)
             if not t.settled.is_set():
                 self._check_settled(t, now)
             if t.tracker_reply and not t.complete and now - t.added < _LONELY_FOR and \
@@ -627,15 +733,20 @@ class Swarm:
             if got is None:
                 return None
             meta, announce = got
+            cert = None
+            if meta.ssl_cert:  # peers take only nodes the region checked with the origin
+                cert = self._peer_cert(blob)
+                if cert is None:
+                    return None
             complete = os.path.exists(os.path.join(self.data_dir, meta.name + ".complete")) and \
                 os.path.getsize(os.path.join(self.data_dir, meta.name)) == meta.length
-            return self._call(lambda: self._add(blob, meta, announce, complete, bulk)).result(30)
+            return self._call(lambda: self._add(blob, meta, announce, complete, bulk, cert)).result(30)
 
     def read(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """The on-demand path (see the module doc). NotHere without metadata."""
         t = self.ensure(blob)
         if t is None:
-            raise NotHere(f"{blob.digest}: no torrent metadata (yet)")
+            raise NotHere(f"{blob.digest}: no torrent metadata or peer certificate (yet)")
         if t.failed:
             raise NotHere(f"{blob.digest}: swarm disabled for this blob ({t.failed})")
         ranges = list(ranges)
@@ -676,7 +787,7 @@ class Swarm:
     def start_download(self, blob: BlobRef) -> Future:
         t = self.ensure(blob, bulk=True)
         if t is None:
-            raise NotHere(f"{blob.digest}: no torrent metadata (yet)")
+            raise NotHere(f"{blob.digest}: no torrent metadata or peer certificate (yet)")
         fut = self._call(lambda: self._start_bulk(t)).result(30)
         if self.fallback is not None:
             self._call(lambda: self._start_helper(t)).result(30)
@@ -686,6 +797,17 @@ class Swarm:
         """"complete", "partial" or "" (not in the swarm)."""
         t = self._torrents.get(blob.digest)
         return "" if t is None else ("complete" if t.complete else "partial")
+
+    def drop(self, blob: BlobRef, why: str) -> None:
+        """Remove the blob's torrent and its storage (not waited for): bytes read from it
+        failed their check, so its file is damaged; a later read adds it again."""
+        def remove() -> None:
+            t = self._torrents.get(blob.digest)
+            if t is not None:
+                log.error("%s: %s; dropping the torrent and its storage", blob.digest, why)
+                self._remove(t, why)
+
+        self._call(remove)
 
     # --- the on-demand plan (owner thread) ------------------------------------------------
 
@@ -742,29 +864,37 @@ class Swarm:
             else:
                 spans.append([p, p + 1])
         ranges = [(t.meta.piece_span(a)[0], t.meta.piece_span(b - 1)[1]) for a, b in spans]
-        datas = self.fallback.read_ranges(t.blob, ranges)
-        out: dict[int, bytes] = {}
-        good: list[tuple[int, bytes]] = []
-        for (a, b), data in zip(spans, datas):
+
+        def check(k: int, data: bytes) -> dict[int, bytes]:
+            """The span's pieces, each matching its SHA-1 in the torrent (else ShoalError:
+            the chain asks the next source for the span)."""
+            a, b = spans[k]
             base = t.meta.piece_span(a)[0]
+            pieces = {}
             for p in range(a, b):
                 s, e = t.meta.piece_span(p)
-                piece = data[s - base:e - base]
-                out[p] = piece
-                if hashlib.sha1(piece).digest() == t.meta.piece_hash(p):
-                    good.append((p, piece))
-                else:
+                pieces[p] = piece = data[s - base:e - base]
+                if hashlib.sha1(piece).digest() != t.meta.piece_hash(p):
                     self._count(fallback_hash_mismatches=1)
-                    log.error("%s: piece %d from the fallback does not match the torrent; not shared",
-                              t.blob.digest, p)
-        if good or keep_inflight:
-            bad = [p for p in out if p not in {g for g, _ in good}] if keep_inflight else []
-            self._call(lambda: self._add_pieces(t, good, bad))
-        self._count(pieces_from_fallback=len(out), bytes_from_fallback=sum(map(len, out.values())))
+                    raise TransportError(f"{t.blob.digest}: piece {p} ([{s}, {e})) does not match the torrent's SHA-1")
+            return pieces
+
+        out: dict[int, bytes] = {}
+        try:
+            for span in self.fallback.read_ranges(t.blob, ranges, check):
+                out.update(span)
+        except RangesFailed as exc:  # the spans that passed still join the torrent
+            for span in exc.served.values():
+                out.update(span)
+            raise
+        finally:
+            if out:
+                good = list(out.items())
+                self._call(lambda: self._add_pieces(t, good))
+                self._count(pieces_from_fallback=len(out), bytes_from_fallback=sum(map(len, out.values())))
         return out
 
-    def _add_pieces(self, t: _Torrent, pieces: list[tuple[int, bytes]], not_added: list[int] = ()) -> None:
-        t.inflight.difference_update(not_added)
+    def _add_pieces(self, t: _Torrent, pieces: list[tuple[int, bytes]]) -> None:
         if self._torrents.get(t.blob.digest) is not t:
             return
         for p, data in pieces:
@@ -824,12 +954,13 @@ class Swarm:
     def _ask_rank(self, t: _Torrent) -> None:
         """This node's rank among the blob's downloaders (p2p/tracker/peers.py); left
         unset when the tracker cannot say (then the local view decides)."""
-        if not t.tracker.endswith("/announce"):
+        url = rank_url(t.tracker)
+        if url is None:
             return
-        url = t.tracker[: -len("/announce")] + "/rank"
-        query = urlencode({"info_hash": t.meta.info_hash, "port": self.listen_port})
+        port = self.ssl_listen_port if t.meta.ssl_cert else self.listen_port  # the port libtorrent announced
+        query = urlencode({"info_hash": t.meta.info_hash, "port": port})
         try:
-            with self._opener.open(f"{url}?{query}", timeout=_RANK_TIMEOUT) as resp:
+            with self._opener.open(f"{url}{'&' if '?' in url else '?'}{query}", timeout=_RANK_TIMEOUT) as resp:
                 answer = json.loads(resp.read())
             rank = (int(answer["rank"]), int(answer["of"]), time.monotonic())
             if not t.rank or t.rank[:2] != rank[:2]:
@@ -881,7 +1012,7 @@ class Swarm:
 
             def owned(extent: int) -> bool:
                 return jump_hash(extent_key(ih, extent), group) == my_rank
-        elif young and t.tracker.endswith("/announce") and not t.rank:
+        elif young and rank_url(t.tracker) and not t.rank:
             return []  # the first rank is on its way
         else:  # the tracker gives no ranks (or no longer answers): this node's own view
             my_rank, group = -1, len(candidates)
@@ -975,6 +1106,7 @@ class Swarm:
             out["peer_wait_p99_ms"] = round(waits[min(len(waits) - 1, int(len(waits) * 0.99))] * 1000, 1)
         out.update(snap)
         out["listen_port"] = self.listen_port
+        out["ssl_listen_port"] = self.ssl_listen_port
         out["metadata"] = self.metadata.statistics()
         return out
 
@@ -998,6 +1130,10 @@ class SwarmSource(Source):
             raise
         except (FutureTimeout, RuntimeError, OSError, ValueError) as exc:  # libtorrent failing, a bad range
             raise TransportError(f"swarm: {blob.digest}: {type(exc).__name__}: {exc}") from None
+
+    def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
+        # every piece it returns passed a SHA-1 check when it came in: its storage rotted
+        self.swarm.drop(blob, f"bytes read from its storage failed their check ({len(ranges)} ranges)")
 
     def close(self) -> None:
         self.swarm.close()
@@ -1029,6 +1165,14 @@ def _file_digest(path: str, size: int) -> str:
         if left:
             return "short"
     return "sha256:" + h.hexdigest()
+
+
+def _write_private(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
 
 
 def _write_mark(path: str, blob: BlobRef) -> None:

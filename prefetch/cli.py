@@ -22,6 +22,7 @@ DEFAULT_ROOT = "/var/lib/shoal"
 
 def _resolve(ref: str, plain_http: bool, platform: str | None):
     """(DockerRef, plain HTTP?, manifest digest, layer digests) of an image in a registry."""
+    from builder.oci.documents import parse_manifest
     from builder.oci.registry import RegistrySource
     from snapshotter.pull import image_ref, resolve_manifest
 
@@ -31,8 +32,7 @@ def _resolve(ref: str, plain_http: bool, platform: str | None):
         _, manifest, _ = resolve_manifest(src, ref, platform)
     finally:
         src.close()
-    doc = json.loads(manifest.data)
-    layers = [d.get("digest") for d in doc.get("layers") or [] if isinstance(d, dict)]
+    layers = [d.digest for d in parse_manifest(manifest.data, ref).layers]
     return parsed, plain, manifest.digest, layers
 
 

@@ -15,6 +15,7 @@ APT_PACKAGES=(
   aria2                             # a stock BitTorrent client for the swarm interop test
   debootstrap                       # the Debian base of the torch test/bench image
   golang-go golang-github-containerd-containerd-dev  # containerd's snapshotter conformance suite (tests/conformance)
+  systemd                           # systemd-analyze verify on deploy/systemd/ (tests/test_deploy.py)
 )
 
 missing=()

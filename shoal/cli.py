@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMAND_MODULES = ["cache.region.cli", "snapshotter.cli", "snapshotter.client_cli", "prefetch.cli"]
+COMMAND_MODULES = ["cache.region.cli", "snapshotter.cli", "snapshotter.client_cli", "snapshotter.install",
+                   "snapshotter.doctor", "prefetch.cli"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,3 +26,32 @@ def mounts() -> list[tuple[str, str]]:
                 raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
                 out.append((os.fsdecode(raw), fields[2].decode()))
     return out
+
+
+def replace_file(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically (a temporary file beside it, fsynced, renamed over
+    it, the directory fsynced): a reader sees the old bytes or the new, never a mix. An
+    existing file's mode and owner are kept; a new one gets 0644."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+        mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
+    except FileNotFoundError:
+        mode, owner = 0o644, None
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        if owner is not None:
+            os.chown(tmp, *owner)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)

@@ -21,9 +21,10 @@ def make_chain(config: dict) -> FetchChain:
     sources: list[Source] = []
     region = config.get("region_url")
     if region:
-        from cache.region.client import RegionSource
+        from cache.region.client import RegionLink, RegionSource
 
-        sources.append(RegionSource(region))
+        # with the node token, if the node has one: the region takes bad-bytes reports only from its nodes
+        sources.append(RegionSource(RegionLink.from_config(config, with_token=True)))
     sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", [])))
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
         from p2p.node import swarm_chain

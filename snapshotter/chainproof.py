@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal import mediatypes as mt
 from shoal.digest import chain_id
 from shoal.errors import ShoalError, TransportError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
@@ -568,46 +569,35 @@ class ContainerdImages:
                 ctr.close()
 
     def _layers(self, ctr, media_type: str, digest: str) -> list[tuple[str, str]]:
+        """[(chain, layer digest)] of the image whose target is `digest` (this machine's
+        platform of an index); [] when its content is not all there (yet)."""
         with self._lock:
             if digest in self._by_target:
                 return self._by_target[digest]
+        from builder.oci.documents import parse_config, parse_index, parse_manifest
         from snapshotter.pull import chain_ids, host_platform
 
-        layers: list[tuple[str, str]] = []
+        what = f"image {digest} in containerd"
         try:
-            doc = _json(ctr.read_content(digest))
-            if doc is not None and isinstance(doc.get("manifests"), list):  # an index: this platform's manifest
+            data = ctr.read_content(digest)
+            if data is not None and media_type in mt.INDEX_TYPES:
                 platform = host_platform()
-                doc = next((_json(ctr.read_content(m.get("digest", ""))) for m in doc["manifests"]
-                            if isinstance(m, dict) and _platform(m) == platform), None)
-            if doc is not None and isinstance(doc.get("config"), dict):
-                config = _json(ctr.read_content(doc["config"].get("digest", ""))) or {}
-                diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
-                descs = doc.get("layers") or []
-                if len(diff_ids) == len(descs):
-                    layers = [(c, d.get("digest", "")) for c, d in zip(chain_ids(diff_ids), descs)]
+                entry = next((m for m in parse_index(data, what).manifests
+                              if m.platform is not None and str(m.platform).startswith(platform)), None)
+                data = ctr.read_content(entry.digest) if entry is not None else None
+            if data is None:
+                return []
+            manifest = parse_manifest(data, what)
+            config_data = ctr.read_content(manifest.config.digest)
+            if config_data is None:
+                return []
+            config = parse_config(config_data, what, len(manifest.layers))
         except ShoalError as e:
-            log.warning("image %s in containerd: %s", digest, e)
+            log.warning("%s", e)
             return []
-        if not layers:
-            return []  # content not there (yet): not cached
+        layers = [(c, d.digest) for c, d in zip(chain_ids(config.diff_ids), manifest.layers)]
         with self._lock:
             if len(self._by_target) > 4096:
                 self._by_target.clear()
             self._by_target[digest] = layers
         return layers
-
-
-def _json(data: bytes | None) -> dict | None:
-    if data is None:
-        return None
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _platform(desc: dict) -> str:
-    p = desc.get("platform") or {}
-    return f"{p.get('os')}/{p.get('architecture')}"

@@ -41,7 +41,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     if config.swarm:
         from p2p.swarm import SwarmConfig
 
-        SwarmConfig.from_dict(config.swarm)  # unknown keys: a one-line error now, not in the fs server
+        warnings: list[str] = []
+        SwarmConfig.from_dict(config.swarm, warnings)  # a bad value: a one-line error now, not in the fs server
+        for w in warnings:
+            logging.getLogger("shoal.node").warning("%s: %s", args.config, w)
         data_path["swarm"] = {"storage": os.path.join(os.path.abspath(args.root), "swarm"), **config.swarm}
     remote = RemoteLayers(args.root, data_path)
     node = Node(args.root, args.socket, config, remote=remote)

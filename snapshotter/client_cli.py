@@ -74,7 +74,9 @@ def fetch_figures(data_path: dict) -> dict:
     """Where the node's bytes came from, and what it gave its peers: the figures of
     `shoal status` and of the node's /metrics. Source bytes are compressed blob bytes
     (the region's and origin's count both paths: for the swarm, which fetches whole
-    pieces of what no peer has, and around it); store bytes are decompressed chunks."""
+    pieces of what no peer has, and around it); store bytes are decompressed chunks.
+    verify_failures: per source, ranges whose bytes failed their check (a chunk's
+    digest, a piece's SHA-1) and were asked of the next source."""
     sources = data_path.get("sources") or {}
     swarm = sources.get("swarm") or {}
     return {
@@ -88,6 +90,8 @@ def fetch_figures(data_path: dict) -> dict:
         "torrents": len(swarm.get("torrents") or []),
         "hash_failures": swarm.get("hash_failures", 0),
         "peers_banned": swarm.get("peers_banned", 0),
+        "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
+                            if "verify_failures" in st},
     }
 
 
@@ -102,6 +106,9 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_fetched_bytes_total", counter,
          "Bytes read, by source (store: decompressed chunks; others: compressed blob bytes).",
          [({"source": k}, f[f"bytes_from_{k}"]) for k in ("store", "peers", "region", "origin")]),
+        ("shoal_node_fetch_verify_failures_total", counter,
+         "Ranges whose bytes failed their check (chunk digest, piece SHA-1), by source; the next source was asked.",
+         [({"source": k}, v) for k, v in sorted(f["verify_failures"].items())]),
         ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
         ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
         ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),
@@ -154,7 +161,7 @@ def format_status(s: dict) -> str:
         )
     for name, st in (dp.get("sources") or {}).items():
         lines.append(f"  source {name}: {st.get('requests', 0)} requests, {st.get('bytes', 0):,} B,"
-                     f" {st.get('errors', 0)} errors")
+                     f" {st.get('errors', 0)} errors, {st.get('verify_failures', 0)} verify failures")
     f = s.get("fetch") or fetch_figures(dp)
     lines.append(
         f"  bytes from: store {f['bytes_from_store']:,}, peers {f['bytes_from_peers']:,},"

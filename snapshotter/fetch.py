@@ -25,7 +25,7 @@ from typing import Protocol
 
 from builder.zstdchunked import Chunk, ChunkMemory, decode_chunk
 from cache.origin import MERGE_GAP
-from cache.source import BlobRef, FetchChain, Held
+from cache.source import BlobRef, FetchChain, Held, RangesFailed
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.fetch")
@@ -282,8 +282,7 @@ class NodeChunkLoader:
         done = 0
         for span in spans:
             try:
-                self._fetch(span, {}, f"prefetch of {self.layer}", "prefetch")
-                done += len(span)
+                done += self._fetch(span, {}, f"prefetch of {self.layer}", "prefetch")
             except ShoalError:
                 pass  # logged by _fetch; the reads will ask again
         self.prefetched_chunks += done
@@ -339,49 +338,65 @@ class NodeChunkLoader:
         return data
 
     def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str,
-               extra: str = "read-ahead") -> None:
+               extra: str = "read-ahead") -> int:
         """Fetch, decode and verify `mine` ((index in the read, chunk); index -1 for a
-        chunk no read asked for: `extra` says why it is fetched, read-ahead or prefetch)."""
+        chunk no read asked for: `extra` says why it is fetched, read-ahead or prefetch).
+
+        Each chunk is decoded and verified once, by the chain's check on the answer of
+        the source that sent it: a source whose bytes fail is counted and the next one
+        asked for those chunks (cache/source.py). Returns how many chunks it served;
+        raises when a chunk a read asked for (or every chunk) could not be fetched."""
         ranges = [(c.start, c.end) for _, c in mine]
-        t0 = time.perf_counter()
-        try:
-            raws = self.chain.read_ranges(self.blob, ranges)
-        except ShoalError as e:
-            err = ShoalError(f"{what}: {len(mine)} chunks from {self.blob}: {e}")
-            for i, c in mine:
-                self.flight.resolve(c.digest or f"{self.blob.digest}@{c.start}",
-                                    error=err if i >= 0 else Unfetched(str(err)))
-            log.error("%s", err)
-            raise err from None
-        t1 = time.perf_counter()
-        self.fetch_seconds += t1 - t0
-        first_error: ShoalError | None = None
-        for (i, c), raw in zip(mine, raws):
-            key = c.digest or f"{self.blob.digest}@{c.start}"
+        decoding = [0.0]
+
+        def check(k: int, raw: bytes) -> tuple[bytes, bool]:
+            i, c = mine[k]
+            t = time.perf_counter()
             try:
-                data = decode_chunk(c, raw, f"{what} in {self.layer}" if i >= 0 else f"{extra} in {self.layer}")
-            except ShoalError as e:
-                log.error("%s (fetched from %s)", e, self.blob)
-                self.flight.resolve(key, error=e if i >= 0 else Unfetched(str(e)))
+                # (a read's `what` names the layer and file already)
+                return decode_chunk(c, raw, what if i >= 0 else f"{extra} in {self.layer}"), \
+                    isinstance(raw, Held)  # the swarm keeps its own copy
+            finally:
+                decoding[0] += time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        failed: ShoalError | None = None
+        try:
+            outs = dict(enumerate(self.chain.read_ranges(self.blob, ranges, check)))
+        except RangesFailed as e:
+            outs, failed = e.served, e
+        except ShoalError as e:
+            outs, failed = {}, e
+        self.fetch_seconds += time.perf_counter() - t0 - decoding[0]
+        self.decode_seconds += decoding[0]
+        first_error: ShoalError | None = None
+        if failed is not None:
+            err = ShoalError(f"{what}: {len(mine) - len(outs)} chunks: {failed}")
+            log.error("%s", err)
+        for k, (i, c) in enumerate(mine):
+            key = c.digest or f"{self.blob.digest}@{c.start}"
+            if k not in outs:
+                self.flight.resolve(key, error=err if i >= 0 else Unfetched(str(err)))
                 if i >= 0:
-                    first_error = first_error or e
+                    first_error = first_error or err
                 continue
+            data, held = outs[k]
             if c.digest and self.memory is not None:
                 self.memory.put(c.digest, data)
-            if c.digest and not isinstance(raw, Held):  # the swarm keeps its own copy
+            if c.digest and not held:
                 try:
                     self.cache.put(c.digest, data)
                 except OSError as e:  # a full disk must not fail the read
                     log.warning("%s: cannot store chunk %s: %s", self.layer, c.digest, e)
             self.fetched_chunks += 1
-            self.fetched_bytes += len(raw)
+            self.fetched_bytes += c.end - c.start
             if i >= 0:
                 results[i] = data
             elif extra == "read-ahead":
                 self.readahead_chunks += 1
             self.flight.resolve(key, data=data)
-        self.decode_seconds += time.perf_counter() - t1
+        if first_error is None and failed is not None and not outs:
+            first_error = err
         if first_error is not None:
-            raise first_error
-
-
+            raise first_error from None
+        return len(outs)

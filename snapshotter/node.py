@@ -9,8 +9,8 @@ What a restart keeps: every snapshot (metadata.db); containers keep running, bec
 containerd (not shoal) mounted their overlays. What it must restore: the remote layers'
 mounts (RemoteLayers.restore).
 
-Configuration: a TOML file, every key optional (see NodeConfig); unknown sections or keys
-are an error, not silently ignored.
+Configuration: a TOML file, every key optional (see NodeConfig), every value checked at
+start (shoal/config.py); unknown keys are a warning.
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ import logging
 import os
 import socket
 import threading
-import tomllib
-import types
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.config import (
+    host_port_check,
+    limits,
+    load,
+    readable_file_check,
+    split_host_port,
+    url_check,
+)
 from shoal.errors import ShoalError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
@@ -43,23 +48,36 @@ DEFAULT_SOCKET = "/run/shoal/snapshotter.sock"
 class SnapshotterConfig:
     """[snapshotter]"""
 
-    grpc_threads: int = 16  # gRPC worker threads: concurrent snapshotter calls
-    shutdown_grace: float = 5.0  # seconds running calls get to finish on SIGTERM
+    grpc_threads: int = field(default=16, metadata=limits(min=1, max=1024))  # concurrent snapshotter calls
+    shutdown_grace: float = field(default=5.0, metadata=limits(min=0, max=3600))  # seconds calls get on SIGTERM
 
 
 @dataclass
 class FetchConfig:
     """[fetch]: where lazy layers' chunks come from, and the node's chunk store."""
 
-    region_url: str = ""  # the region cache (`shoal region`), tried before the origin; "" = none
+    # the region cache (`shoal region`), tried before the origin; "" = none
+    region_url: str = field(default="", metadata=limits(check=url_check()))
+    # PEM CA the region's certificate must chain to (its <store>/tls/ca.pem); "" = system trust store
+    region_ca: str = field(default="", metadata=limits(check=readable_file_check))
+    # the region's node token (its <store>/tls/node-token), for the swarm's calls
+    region_token_file: str = field(default="", metadata=limits(check=readable_file_check))
+    region_plain_http_credentials: bool = False  # send registry credentials to an http:// region on loopback
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
-    store_capacity: int = 0  # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
-    memory_cache: int = 512 << 20  # bytes of decompressed chunks kept in memory, shared by all lazy layers
-    readahead_kb: int = 1024  # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
+    # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
+    store_capacity: int = field(default=0, metadata=limits(min=0, size=True))
+    # bytes of decompressed chunks kept in memory, shared by all lazy layers
+    memory_cache: int = field(default=512 << 20, metadata=limits(min=0, size=True))
+    # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
+    readahead_kb: int = field(default=1024, metadata=limits(min=0, max=1 << 20))
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
+    # compressed bytes one image's profile may make the node fetch (the first ones in its order)
+    prefetch_max_bytes: int = field(default=8 << 30, metadata=limits(min=0, size=True))
     prove_lazy: bool = True  # read each lazy layer's whole blob in the background and check its diff_id (chainproof.py); false: chain ids are trusted
-    prove_after: float = 30.0  # seconds from a lazy layer's prepare to the start of its background proof
-    prove_timeout: float = 600.0  # seconds a container's prepare waits for a proof it needs (a chain another image names with another blob)
+    # seconds from a lazy layer's prepare to the start of its background proof
+    prove_after: float = field(default=30.0, metadata=limits(min=0, max=30 * 86400))
+    # seconds a container's prepare waits for a proof it needs (a chain another image names with another blob)
+    prove_timeout: float = field(default=600.0, metadata=limits(min=1, max=86400))
 
 
 @dataclass
@@ -75,26 +93,22 @@ class MetricsConfig:
     """[metrics]: Prometheus text at http://ADDRESS/metrics (bytes by source, swarm peers,
     layers), from the same figures as `shoal status`."""
 
-    address: str = ""  # "HOST:PORT" to serve on (e.g. "127.0.0.1:9464"); "" = off
+    # "HOST:PORT" to serve on (e.g. "127.0.0.1:9464"); "" = off
+    address: str = field(default="", metadata=limits(check=host_port_check))
 
     def host_port(self) -> tuple[str, int] | None:
-        if not self.address:
-            return None
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ShoalError(f"metrics.address {self.address!r}: want HOST:PORT, e.g. 127.0.0.1:9464")
-        return host.strip("[]"), int(port)
+        return split_host_port(self.address) if self.address else None
 
 
 @dataclass
 class NodeConfig:
     """The whole `shoal node` configuration file. Each section is a dataclass; add a
-    section by adding a field here (the loader below needs nothing more)."""
+    section by adding a field here (shoal.config checks every key and range)."""
 
     snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
     # [swarm]: the libtorrent swarm (p2p.swarm.SwarmConfig documents and checks its keys
-    # when the layer file system starts; `enabled = true` turns it on).
+    # when the node starts; `enabled = true` turns it on).
     swarm: dict = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
@@ -106,70 +120,11 @@ class NodeConfig:
                            self.containerd.address, self.containerd.snapshotter)
 
 
-def _typed(value: object, hint: object, where: str) -> object:
-    if is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ShoalError(f"{where}: expected a table")
-        return _build(hint, value, where)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint) or (object,)
-        if not isinstance(value, list):
-            raise ShoalError(f"{where}: expected a list")
-        return [_typed(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ShoalError(f"{where}: expected a table")
-        return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise ShoalError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _build(cls: type, data: dict, where: str) -> object:
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ShoalError(
-            f"unknown configuration key {prefix}{unknown[0]} (known here: {', '.join(sorted(known))})"
-        )
-    kwargs = {k: _typed(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
-
-
 def load_config(path: str | Path | None) -> NodeConfig:
-    """The configuration in `path` on top of the defaults (no path: the defaults)."""
-    if path is None:
-        return NodeConfig()
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ShoalError(f"{path}: not valid TOML: {e}") from None
-    except OSError as e:
-        raise ShoalError(f"{path}: cannot read the configuration: {e.strerror}") from None
-    try:
-        config = _build(NodeConfig, data, "")
-    except ShoalError as e:
-        raise ShoalError(f"{path}: {e}") from None
-    if config.snapshotter.grpc_threads < 1:
-        raise ShoalError(f"{path}: snapshotter.grpc_threads must be at least 1")
-    if config.fetch.prove_after < 0 or config.fetch.prove_timeout <= 0:
-        raise ShoalError(f"{path}: fetch.prove_after must be >= 0 and fetch.prove_timeout > 0")
-    try:
-        config.metrics.host_port()
-    except ShoalError as e:
-        raise ShoalError(f"{path}: {e}") from None
-    return config
+    """The configuration in `path` on top of the defaults (no path: the defaults).
+    ConfigError (one line naming the file, key, value and what is allowed) for a bad
+    value; unknown keys are logged as warnings."""
+    return load(NodeConfig, path, logger=log)
 
 
 # --- the daemon ----------------------------------------------------------------------------
@@ -205,6 +160,9 @@ class Node:
 
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Layers of every tenant's images live here: root alone may read them,
+            # whoever made the directory first (the layer fs, an installer, an admin).
+            os.chmod(self.root, 0o700)
             self._lock_root()
             self.snapshotter = LocalSnapshotter(self.root, remote=self.remote, proofs=self.config.proofs())
             self.snapshotter.recover()
@@ -214,7 +172,7 @@ class Node:
             self._server.start()
             address = self.config.metrics.host_port()
             if address is not None:
-                self._metrics = _serve_metrics(address, str(self.root))
+                self._metrics = _serve_metrics(address, str(self.root), str(self.socket))
         except BaseException:
             self.stop()
             raise
@@ -265,26 +223,50 @@ class Node:
         self._lock_fd = fd
 
 
-def _serve_metrics(address: tuple[str, int], root: str):
-    """GET /metrics on a thread of its own: the figures of `shoal status` for Prometheus."""
+def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
+    """The node's HTTP endpoint, on a thread of its own: GET /metrics (the figures of
+    `shoal status` for Prometheus), /healthz (200 while the node process serves) and
+    /readyz (200 when the snapshotter socket answers gRPC and the layer file system
+    answers on ROOT/fs.sock; 503 naming what does not)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from shoal.metrics import CONTENT_TYPE
     from snapshotter.client_cli import node_metrics, node_status
+    from snapshotter.fs.client import FSClient
+    from snapshotter.install import socket_answers
+
+    def readiness() -> str:
+        if not socket_answers(grpc_socket, timeout=2):
+            return f"snapshotter socket {grpc_socket} does not answer"
+        if not FSClient(root).running():
+            return f"layer file system ({root}/fs.sock) does not answer"
+        return ""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics here")
-                return
-            try:
-                body = node_metrics(node_status(root)).encode()
-            except (OSError, ShoalError, ValueError) as e:
-                log.warning("metrics: %s", e)
-                self.send_error(500, str(e))
+            path = self.path.split("?", 1)[0]
+            content_type = "text/plain; charset=utf-8"
+            if path == "/healthz":
+                body = b"ok\n"
+            elif path == "/readyz":
+                problem = readiness()
+                if problem:
+                    self.send_error(503, problem)
+                    return
+                body = b"ok\n"
+            elif path == "/metrics":
+                try:
+                    body = node_metrics(node_status(root)).encode()
+                except (OSError, ShoalError, ValueError) as e:
+                    log.warning("metrics: %s", e)
+                    self.send_error(500, str(e))
+                    return
+                content_type = CONTENT_TYPE
+            else:
+                self.send_error(404, "here: /metrics, /healthz, /readyz")
                 return
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from builder.oci.base import Manifest
+from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import DockerRef, parse_reference
 from builder.oci.registry import RegistrySource
 from builder.zstdchunked import (
@@ -32,7 +33,7 @@ from builder.zstdchunked import (
 )
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
-from shoal.digest import chain_id, check_digest, sha256_digest
+from shoal.digest import chain_id, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
@@ -338,12 +339,10 @@ def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: st
         return root, None
     if root.media_type not in mt.INDEX_TYPES:
         raise FormatError(f"{ref}: unsupported manifest type {root.media_type}")
-    index = json.loads(root.data)
-    for d in index.get("manifests") or []:
-        p = d.get("platform") or {}
-        have = f"{p.get('os')}/{p.get('architecture')}"
-        if have == platform or (p.get("variant") and f"{have}/{p['variant']}" == platform):
-            return src.get_manifest(check_digest(d.get("digest"))), d
+    for d in parse_index(root.data, ref).manifests:
+        p = d.platform
+        if p is not None and (f"{p.os}/{p.architecture}" == platform or (p.variant and str(p) == platform)):
+            return src.get_manifest(d.digest), d.raw
     raise UsageError(f"{ref}: no manifest for platform {platform}")
 
 
@@ -374,14 +373,11 @@ def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", p
     ctr = _Containerd(address, namespace)
     try:
         root, manifest, index_entry = resolve_manifest(src, ref, platform)
-        doc = json.loads(manifest.data)
-        config_desc = doc["config"]
-        config_bytes = src.read_blob(check_digest(config_desc["digest"]), config_desc.get("size"))
-        config = json.loads(config_bytes)
-        diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
-        layers = doc.get("layers") or []
-        if len(diff_ids) != len(layers):
-            raise FormatError(f"{ref}: config lists {len(diff_ids)} diff_ids for {len(layers)} layers")
+        doc = parse_manifest(manifest.data, ref)
+        config_desc = doc.config.raw
+        config_bytes = src.read_small_blob(doc.config.digest, doc.config.size, f"{ref}: config")
+        diff_ids = parse_config(config_bytes, ref, len(doc.layers)).diff_ids
+        layers = [ly.raw for ly in doc.layers]
         chains = chain_ids(diff_ids)
         ctr.create_lease()
         pulled = _provide_layers(ctr, snapshotter, name, manifest.digest, layers, chains, plain)

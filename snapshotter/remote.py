@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 from builder.convert import _Decompressing
+from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
 from builder.profile import fetch_profile
@@ -187,6 +188,13 @@ class RemoteLayers:
         if profile is None:
             log.info("%s: no access profile for %s", image, manifest_digest)
             return
+        limit = int(self.config.get("prefetch_max_bytes", 8 << 30))
+        bounded = profile.bounded(limit)
+        if bounded is not profile:
+            log.warning("%s: access profile of %s names %.1f MB, more than prefetch_max_bytes (%.1f MB): "
+                        "prefetching its first %d of %d chunks", image, manifest_digest, profile.compressed_bytes / 1e6,
+                        limit / 1e6, len(bounded.chunks), len(profile.chunks))
+            profile = bounded
         try:
             self.fs.ensure_running()
             queued = self.fs.call("prefetch", chunks=[list(c) for c in profile.chunks])["queued"]
@@ -310,11 +318,10 @@ class RemoteLayers:
         """The layer descriptors of the manifest (fetched by digest, so verified)."""
         source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
         try:
-            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
+            data = source.get_manifest(check_digest(manifest_digest)).data
         finally:
             source.close()
-        layers = doc.get("layers") if isinstance(doc, dict) else None
-        return layers if isinstance(layers, list) else []
+        return [ly.raw for ly in parse_manifest(data, f"{blob.registry}/{blob.repository}@{manifest_digest}").layers]
 
     def _descriptor(self, blob: BlobRef, labels: dict[str, str]) -> dict:
         """The layer's descriptor: from shoal pull's labels, or the verified manifest."""
@@ -439,12 +446,11 @@ class RemoteLayers:
             return None
         source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
         try:
-            doc = json.loads(source.get_manifest(check_digest(manifest_digest)).data)
-            config = doc["config"]
-            diff_ids = json.loads(source.read_blob(check_digest(config["digest"]), config.get("size")))["rootfs"][
-                "diff_ids"]
-            return next((d for d in diff_ids if isinstance(d, str) and chain_id(parent_chain, d) == target), None)
-        except (ShoalError, OSError, ValueError, KeyError, TypeError):
+            man = parse_manifest(source.get_manifest(check_digest(manifest_digest)).data, str(blob))
+            config = source.read_small_blob(man.config.digest, man.config.size, f"{blob}: config")
+            diff_ids = parse_config(config, str(blob)).diff_ids
+            return next((d for d in diff_ids if chain_id(parent_chain, d) == target), None)
+        except (ShoalError, OSError):
             return None
         finally:
             source.close()

@@ -106,12 +106,16 @@ class TokenServer:
     """A docker token server (distribution's token auth spec) on 127.0.0.1.
 
     Signs RS256 JWTs with openssl; the registry trusts the certificate's key by its
-    libtrust key ID. Grants every requested action to users in `users`; refuses
-    anonymous requests (HTTP 401). `field` picks the JSON field: token or access_token.
+    libtrust key ID. Grants every requested action to users in `users`, except that a
+    user named in `grants` gets repository actions only for repositories under one of
+    its prefixes (per repository, not all-or-nothing: other scopes are granted no
+    action, and the registry then refuses); refuses anonymous requests (HTTP 401).
+    `field` picks the JSON field: token or access_token.
     """
 
-    def __init__(self, workdir: Path, users: dict[str, str], field: str = "token") -> None:
-        self.users, self.field = users, field
+    def __init__(self, workdir: Path, users: dict[str, str], field: str = "token", host: str = "127.0.0.1",
+                 grants: dict[str, list[str]] | None = None) -> None:
+        self.users, self.field, self.grants = users, field, dict(grants or {})
         self.key = workdir / "token-key.pem"
         self.cert = workdir / "token-cert.pem"
         subprocess.run(
@@ -126,8 +130,8 @@ class TokenServer:
         b32 = base64.b32encode(hashlib.sha256(der).digest()[:30]).decode().rstrip("=")
         self.kid = ":".join(b32[i:i + 4] for i in range(0, len(b32), 4))
         self.issued: list[dict] = []  # {"user", "scopes"} per token handed out
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.realm = f"http://127.0.0.1:{self._httpd.server_port}/token"
+        self._httpd = ThreadingHTTPServer((host, 0), self._handler())
+        self.realm = f"http://{host}:{self._httpd.server_port}/token"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
 
@@ -159,7 +163,11 @@ class TokenServer:
         for scope in scopes:
             kind, _, rest = scope.partition(":")
             name, _, actions = rest.rpartition(":")
-            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            allowed = self.grants.get(user)
+            if allowed is not None and kind == "repository" and not any(
+                    name == p or name.startswith(p.rstrip("/") + "/") for p in allowed):
+                actions = ""
+            access.append({"type": kind, "name": name, "actions": [a for a in actions.split(",") if a]})
         now = int(time.time())
         claims = {
             "iss": TOKEN_ISSUER, "sub": user, "aud": TOKEN_SERVICE, "exp": now + 300,

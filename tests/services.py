@@ -241,6 +241,27 @@ class ContainerdServer:
         except OSError:
             return ""
 
+    def restart(self) -> None:
+        """Start containerd again on its configuration file as it is now (what a service
+        manager does on `restart`), once the running one has exited (stopped if not)."""
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                stop_process(self._proc)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [CONTAINERD_BIN, "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )
+        self.pid = self._proc.pid
+        deadline = time.monotonic() + START_TIMEOUT
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(self.address) and self.ctr("version", check=False, timeout=5).returncode == 0:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"containerd did not restart (exit status {self._proc.poll()}); log:\n{self.log_tail()}")
+
     def _kill_tasks(self) -> None:
         """Kill and delete every task and container (so no container outlives us)."""
         try:

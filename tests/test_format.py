@@ -297,12 +297,16 @@ def _tar_with(name: str, typ=tarfile.REGTYPE, linkname: str = "", data: bytes = 
         (_tar_with("link", tarfile.LNKTYPE, "missing"), "not an earlier entry"),
         (make_table_tar(table=[("a", "reg", {"data": b"1"}), ("./a", "reg", {"data": b"2"})]), "duplicate entry"),
         (make_table_tar(table=[("a", "dir", {}), ("a", "reg", {"data": b"2"})]), "duplicate entry"),
+        (make_table_tar(table=[("esc", "symlink", {"linkname": "/tmp"}), ("esc/file", "reg", {"data": b"x"})]),
+         "path goes through 'esc', which this layer makes a symlink"),
+        (make_table_tar(table=[("d", "dir", {}), ("d/f", "reg", {"data": b"1"}), ("d/f/g", "reg", {"data": b"2"})]),
+         "path goes through 'd/f', which this layer makes a file"),
         (make_table_tar()[:700], "truncated"),
         (make_table_tar()[:512 * 3 + 100], "truncated"),
         (b"\x01" * 512, "checksum mismatch"),
     ],
     ids=["dotdot", "dotdot-inner", "absolute", "hardlink-dotdot", "hardlink-absolute", "hardlink-missing",
-         "duplicate", "duplicate-dir-then-file", "truncated-header", "truncated-content", "garbage"],
+         "duplicate", "duplicate-dir-then-file", "symlinked-parent", "file-parent", "truncated-header", "truncated-content", "garbage"],
 )
 def test_hostile_tars_are_refused(tar, message):
     with pytest.raises(FormatError, match=message):

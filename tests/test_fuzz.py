@@ -126,3 +126,37 @@ def test_tar_reader_mutated_header(pos, junk, typeflag):
     block[148:156] = b" " * 8
     block[148:156] = b"%06o\0 " % sum(block[:512])
     refused_or_accepted(_read_all, bytes(block[:512]) + b"hello" + bytes(507) + bytes(1024))
+
+
+# --- OCI documents (builder/oci/documents.py) --------------------------------------------------
+
+descriptor_values = st.one_of(
+    json_values,
+    st.fixed_dictionaries({"mediaType": st.sampled_from(["application/vnd.oci.image.layer.v1.tar+gzip", 1]),
+                           "digest": st.sampled_from(["sha256:" + "a" * 64, "sha256:x", None]),
+                           "size": st.sampled_from([0, -1, 10, True, "1", 2**70])},
+                          optional={"annotations": json_values, "platform": json_values}),
+)
+document_keys = st.sampled_from(["schemaVersion", "mediaType", "config", "layers", "manifests", "rootfs",
+                                 "annotations", "os", "architecture"])
+documents = st.dictionaries(document_keys, st.one_of(descriptor_values, st.lists(descriptor_values, max_size=4),
+                                                     st.fixed_dictionaries({"diff_ids": json_values})), max_size=6)
+
+
+@FUZZ
+@given(documents)
+def test_oci_documents(doc):
+    from builder.oci.documents import parse_config, parse_index, parse_manifest
+
+    data = json.dumps(doc).encode()
+    for parse in (parse_manifest, parse_index, parse_config):
+        refused_or_accepted(parse, data, "fuzz")
+
+
+@FUZZ
+@given(st.binary(max_size=300) | st.builds(lambda n, c: c * n, st.integers(0, 200_000), st.sampled_from([b"[", b'{"a":'])))
+def test_oci_documents_bytes(data):
+    from builder.oci.documents import parse_config, parse_index, parse_manifest
+
+    for parse in (parse_manifest, parse_index, parse_config):
+        refused_or_accepted(parse, data, "fuzz")

@@ -73,16 +73,22 @@ def node(tmp_path):
     assert not os.path.ismount(layers.fs.mnt)
 
 
-def prepare_tree(layers: RemoteLayers, host: str, repo: str, root: Path, workdir: Path) -> tuple[Path, dict]:
-    """Build an image of the folder `root` at the registry `host`, convert it, and
-    prepare its layer on the node: (the layer's mount, its descriptor)."""
+def publish_tree(host: str, repo: str, root: Path, workdir: Path) -> tuple[str, dict]:
+    """Build a one-layer image of the folder `root` at the registry `host` and convert
+    it: (the converted image's reference, its layer's descriptor)."""
     src = f"docker://{host}/{repo}:gzip"
     build_image([str(root)], src, ImageConfig(), plain_http=True, workdir=str(workdir))
     dst = f"docker://{host}/{repo}:chunked"
     convert(src, dst, plain_http=True)
     with open_source(dst, plain_http=True) as s:
         layer = json.loads(s.get_root().data)["layers"][0]
-    return Path(layers.prepare("t", "", layer_labels(dst.removeprefix("docker://"), layer)).path), layer
+    return dst.removeprefix("docker://"), layer
+
+
+def prepare_tree(layers: RemoteLayers, host: str, repo: str, root: Path, workdir: Path) -> tuple[Path, dict]:
+    """publish_tree, and the layer prepared on the node: (the layer's mount, its descriptor)."""
+    ref, layer = publish_tree(host, repo, root, workdir)
+    return Path(layers.prepare("t", "", layer_labels(ref, layer)).path), layer
 
 
 def reference_rootfs(registry, image: str, manifest: dict, target: Path) -> None:
@@ -317,11 +323,12 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
     nodes = []
     try:
         assert "serving" in region.stdout.readline().decode(), log_path.read_text()
-        url = f"http://127.0.0.1:{port}"
+        url = f"https://127.0.0.1:{port}"  # HTTPS, the CA made at first start, pinned by the nodes
+        ca = str(tmp_path / "region store" / "tls" / "ca.pem")
         origin_before = registry.count("GET", f"/blobs/{python['digest']}")
         datas = []
         for i in range(2):
-            n = RemoteLayers(str(tmp_path / f"node {i}"), {"region_url": url})
+            n = RemoteLayers(str(tmp_path / f"node {i}"), {"region_url": url, "region_ca": ca})
             nodes.append(n)
             path = Path(n.prepare("t", "", layer_labels(ref, python)).path)
             datas.append((path / "usr/bin/python3.11").read_bytes())
@@ -332,7 +339,7 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
         # the nodes fetched the TOC from the origin themselves (2 small range GETs); the
         # region fetched the blob once for everything else
         assert gets - origin_before[0] <= 3
-        status = requests.get(f"{url}/-/status", timeout=10).json()
+        status = requests.get(f"{url}/-/status", timeout=10, verify=ca).json()
         assert status["hits"] > 0
         region.send_signal(signal.SIGTERM)
         region.wait(timeout=20)
@@ -559,6 +566,62 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
         assert registry.count("GET", "shoal-profile")[0] == gets and layers.prefetched_images == 0
     finally:
         layers.fs.stop()
+
+
+def test_a_profile_is_bounded_and_bound_to_its_manifest(image, node, tmp_path, caplog):
+    """Anyone who can push to a repository can publish its profile, so a profile can make
+    a node fetch at most `[fetch] prefetch_max_bytes` (its first ranges), names each range
+    once, and is used only for the manifest its artifact is bound to."""
+    import logging
+
+    from builder.oci.refs import DockerRef
+    from builder.oci.registry import RegistryDestination, RegistrySource
+    from builder.profile import Profile, fetch_profile, profile_tag, push_profile
+    from shoal.errors import FormatError
+
+    registry, ref, manifest, _ = image
+    digest = _manifest_digest(ref)
+    host, repo = ref.split("/", 1)
+    repo = repo.split(":", 1)[0]
+    layer_digests = [ly["digest"] for ly in manifest["layers"]]
+    layers_a, _ = node
+    mounts_a = _prepare_image(layers_a, ref, manifest, digest)
+    (mounts_a[1] / "usr/bin/python3.11").read_bytes()
+    (mounts_a[0] / "bin/busybox").read_bytes()
+    trace = [tuple(c) for c in layers_a.fs.call("profile")["chunks"]]
+    assert len(trace) >= 4
+
+    # every range twice: published as it is, read back with each range once, in order
+    push_profile(host, repo, Profile(digest, trace + trace[::-1]), layer_digests, plain_http=True)
+    assert fetch_profile(host, repo, digest, True, layer_digests).chunks == trace
+
+    # a budget of half the ranges' bytes: the first ranges only, and a log line
+    half = len(trace) // 2
+    budget = sum(end - start for _, start, end in trace[:half])
+    caplog.set_level(logging.WARNING, logger="shoal.remote")
+    cold = RemoteLayers(str(tmp_path / "bounded"), {"prefetch_max_bytes": budget})
+    try:
+        _prepare_image(cold, ref, manifest, digest)
+        wait_for(lambda: cold.prefetched_images == 1, "the profile to be handed over")
+        wait_for(lambda: sum(ly["prefetched_chunks"] for ly in cold.fs.status()["layers"]) == half,
+                 "the first half of the profile to be prefetched")
+        assert cold.fs.status()["prefetch"]["queued_chunks"] == half
+        assert any("prefetch_max_bytes" in r.getMessage() and ref in r.getMessage() for r in caplog.records)
+    finally:
+        cold.fs.stop()
+
+    # another image's profile put under this image's profile tag is refused
+    other = "sha256:" + "ab" * 32
+    push_profile(host, repo, Profile(other, trace[:1]), layer_digests, plain_http=True)
+    src = RegistrySource(DockerRef(host, repo, tag=profile_tag(other)), True)
+    dest = RegistryDestination(DockerRef(host, repo, tag=profile_tag(digest)), True)
+    try:
+        dest.put_root(src.get_root())
+    finally:
+        src.close()
+        dest.close()
+    with pytest.raises(FormatError, match="bound to"):
+        fetch_profile(host, repo, digest, True, layer_digests)
 
 
 def test_profile_commands_fail_in_one_line(image, node, tmp_path):

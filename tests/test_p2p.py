@@ -30,6 +30,7 @@ from p2p.tracker.client import MetadataClient
 from p2p.tracker.peers import PeerTable
 from p2p.tracker.server import FileTorrents, mount, parse_query
 from shoal.errors import DigestMismatch, FormatError
+from tests.test_region import region_factory  # noqa: F401  (fixture)
 
 # --- bencode ----------------------------------------------------------------------------------
 
@@ -173,12 +174,39 @@ def test_ranks_split_the_first_fetch():
     table = PeerTable(rank_ttl=10)
     ih = b"\2" * 20
     ips = [f"10.0.0.{i}" for i in range(1, 6)]
+    for ip in ips:
+        table.announce(ih, ip, 6881, 100, "started", 50, now=0)
     assert [table.rank(ih, ip, 6881, now=0) for ip in ips] == [(i, i + 1) for i in range(5)]
     assert table.rank(ih, ips[2], 6881, now=1) == (2, 5)
     table.announce(ih, ips[1], 6881, 0, "completed", 50, now=2)
     assert table.rank(ih, ips[4], 6881, now=3) == (1, 4)  # took the leaver's rank
     assert table.rank(ih, ips[2], 6881, now=3) == (2, 4)  # unchanged
     assert table.rank(ih, ips[2], 6881, now=14) == (0, 1)  # the others stopped asking
+
+
+def test_tracker_ranks_only_announced_peers_and_stays_bounded():
+    """A rank needs an announce from the same address (and port); one address announces
+    few ports; the table forgets the least recently announced swarm to make room."""
+    table = PeerTable(max_swarms=3, max_ports_per_ip=2)
+    ih = b"\3" * 20
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.1", 6881, now=0)
+    table.announce(ih, "10.0.0.1", 6881, 100, "started", 50, now=0)
+    assert table.rank(ih, "10.0.0.1", None, now=0) == (0, 1)  # the port from the announce
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.1", 7000, now=0)  # a port of its own choosing counts for nothing
+    with pytest.raises(ValueError, match="has not announced"):
+        table.rank(ih, "10.0.0.2", 6881, now=0)  # nor another address's
+    table.announce(ih, "10.0.0.1", 6882, 100, "started", 50, now=0)
+    with pytest.raises(ValueError, match="more than 2 ports"):
+        table.announce(ih, "10.0.0.1", 6883, 100, "started", 50, now=0)
+    assert table.statistics()["peers"] == 2 and table.statistics()["refused"] == 4
+    for i in range(4, 10):
+        table.announce(bytes([i]) * 20, "10.0.0.1", 6881, 100, "started", 50, now=1)
+        table.announce(ih, "10.0.0.1", 6881, 100, "", 50, now=1)  # keeps ih the most recent
+    stats = table.statistics()
+    assert stats["swarms"] == 3 and stats["swarms_evicted"] == 4 and stats["ranked_swarms"] == 1
+    assert table.rank(ih, "10.0.0.1", 6881, now=2) == (0, 1)
 
 
 def test_jump_hash_is_balanced_and_moves_little():
@@ -391,3 +419,60 @@ def test_assembled_chain_puts_the_swarm_first(tmp_path, loopback_swarm):
     finally:
         chain.close()
     assert [s.name for s in make_chain({"region_url": "http://127.0.0.1:1"}).sources] == ["region", "origin"]
+
+
+# --- the swarm's fallback verifies what the region and the origin send ------------------------
+
+
+def test_pieces_that_fail_their_hash_are_never_returned(tmp_path, registry, region_factory):  # noqa: F811
+    """A swarm whose fallback is the real region (its stored copy of the blob corrupt)
+    and the real origin: each piece from the region fails its SHA-1, so the chain takes
+    it from the origin; the region is counted. With the region alone, the read raises
+    (TransportError: the outer chain goes on) instead of returning the bad piece."""
+    from cache.origin import OriginSource
+    from cache.region.client import RegionSource
+    from shoal.errors import TransportError
+    from tests.test_region import push_blob
+
+    region = region_factory(registry)
+    paths = {}
+
+    def corrupt_in_region(seed: int) -> tuple[BlobRef, bytes]:
+        data = random.Random(seed).randbytes(2 << 20)
+        digest = push_blob(registry, "swarm/verify", data, tmp_path)
+        paths[digest] = tmp_path / f"blob{seed}"
+        paths[digest].write_bytes(data)
+        blob = BlobRef(registry.host, "swarm/verify", digest, len(data), plain_http=True)
+        assert RegionSource(region.url).read_ranges(blob, [(0, 10)]) == [data[:10]]
+        region.wait_idle()
+        bad = bytearray(data)
+        for p in range(len(data) // (256 << 10)):
+            bad[p * (256 << 10) + 100] ^= 0xFF  # every piece
+        with open(region.backend.local_path(digest), "r+b") as fh:
+            fh.write(bad)
+        return blob, data
+
+    service = ServiceThread(FileTorrents(tmp_path / "torrents", lambda d: str(paths[d])))
+    swarms = []
+    ranges = [(0, 100), (1 << 20, (1 << 20) + 300_000)]
+    try:
+        for i, sources in enumerate(([RegionSource(region.url), OriginSource()], [RegionSource(region.url)])):
+            blob, data = corrupt_in_region(20 + i)
+            chain = FetchChain(sources)
+            config = SwarmConfig(enabled=True, storage=str(tmp_path / f"n{i}"), listen=f"127.0.0.{40 + i}:6881",
+                                 advertise_ip=f"127.0.0.{40 + i}", ssrf_mitigation=False)
+            swarm = Swarm(config, MetadataClient(service.url, tmp_path / f"n{i}" / "meta"), chain).start()
+            swarms.append(swarm)
+            if i == 0:
+                assert swarm.read(blob, ranges) == [data[a:b] for a, b in ranges]
+                stats = chain.statistics()
+                assert stats["region"]["verify_failures"] >= 1 and stats["origin"]["bytes"] > 0, stats
+                assert stats["origin"]["verify_failures"] == 0
+            else:
+                with pytest.raises(TransportError, match="failed verification"):
+                    SwarmSource(swarm).read_ranges(blob, ranges)
+                assert chain.statistics()["region"]["verify_failures"] >= 1
+    finally:
+        for swarm in swarms:
+            swarm.close()
+        service.stop()

@@ -271,12 +271,14 @@ def test_a_node_killed_mid_transfer(world, nodes):
 def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     """(3) Node 1's torrent storage is corrupted after it completed the blob: node 2,
     reading the layer's files through FUSE, detects the bad pieces (hash check), bans
-    node 1 and takes the data from the region; every file is right."""
+    node 1 and takes the data from the region; every file is right, the bad pieces and
+    the ban are counted (`shoal status`) and logged. Node 1's own reads of its damaged
+    storage fail their chunk digests and come from the region."""
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
     a, b = nodes(2)
-    _, mount_b = _provide(world, [a, b], image)
+    mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
         for p in range(1, size // PIECE, 4):
@@ -287,35 +289,78 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     assert f["hash_failures"] >= 1, f
     assert f["peers_banned"] >= 1, f
     assert f["bytes_from_region"] > 0, f
+    assert not any(f["verify_failures"].values()), f  # libtorrent dropped the bad pieces: no source sent any
+    log = b.log(1 << 20)
+    assert "failed its hash check" in log and "banned peer" in log
+    # node 1 itself reads its damaged storage: the chunks fail their digest, come from
+    # the region, and the torrent is dropped
+    assert _read(mount_a, files) == files
+    f = a.status()["fetch"]
+    assert f["verify_failures"]["swarm"] >= 1 and f["bytes_from_region"] > 0, f
+    assert any("dropping the torrent" in line and digest in line for line in a.log(1 << 20).splitlines())
+
+
+def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes):
+    """(3b) The region's stored copy of the layer rots after the region filled it: a
+    node reading the layer's files through FUSE takes the pieces no peer has from its
+    swarm's fallback; the region's fail their SHA-1, so they come from the origin. Every
+    file is right, the region is counted (`shoal status`) and logged once; told by the
+    node, the region checks its copy and drops it."""
+    image, files = world.image({"a.bin": 8 * MiB})
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    [stored] = [p for p in (world.workdir / "region").rglob(digest[7:]) if p.is_file()]
+    with open(stored, "r+b") as fh:  # every fourth piece gets one inverted byte
+        for p in range(0, size // PIECE, 4):
+            fh.seek(p * PIECE + 500)
+            byte = fh.read(1)
+            fh.seek(p * PIECE + 500)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    origin_before = world.origin_bytes(digest)
+    [a] = nodes(1)
+    [mount] = _provide(world, [a], image)
+    assert _read(mount, files) == files
+    f = a.status()["fetch"]
+    assert f["verify_failures"]["region"] >= 1, f
+    assert f["verify_failures"].get("origin", 0) == 0, f
+    assert world.origin_bytes(digest) - origin_before >= PIECE  # the bad pieces, from the origin
+    lines = [line for line in a.log(1 << 20).splitlines() if "failed verification" in line and digest in line]
+    assert len(lines) == 1 and "from region" in lines[0] and "SHA-1" in lines[0], lines
+    deadline = time.monotonic() + 30
+    while not world.region.status(world.lab)["region"]["store_verify_failures"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert world.region.status(world.lab)["region"]["store_verify_failures"] >= 1, "the region kept its bad copy"
+    # dropped, or already filled again from the origin by a later request: never the bad copy
+    assert not stored.exists() or "sha256:" + _sha256_file(stored) == digest
 
 
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
-def test_aria2_downloads_from_the_swarm(world, nodes):
-    """(4) A stock BitTorrent client, with only the metadata the region publishes, gets
-    the blob from two `shoal node`s that downloaded it (bulk); the file hashes to the
-    blob digest."""
+def test_aria2_without_the_node_token_gets_nothing(world, nodes):
+    """(4) A stock BitTorrent client with only the .torrent the region publishes (and so
+    the tracker's address, but not the region's node token) is refused by the tracker
+    and gets no byte of the blob from the two `shoal node`s seeding it."""
     image, _ = world.image({"a.bin": 12 * MiB})
     [layer] = image.layers
-    digest, size = layer["digest"], layer["size"]
+    digest = layer["digest"]
     seeders = nodes(2)
     _provide(world, seeders, image)
     for node in seeders:
         node.download(digest)
-    region_before = world.region_bytes()
+    unauthorized = world.region.status(world.lab)["swarm"]["unauthorized"]
+    uploaded = [node.status()["fetch"]["bytes_to_peers"] for node in seeders]
     out = world.workdir / f"aria2-{digest[7:19]}"
     out.mkdir()
     (out / "blob.torrent").write_bytes(image.torrents[digest])
     proc = world.lab.run(world.hosts[4], [
         "aria2c", "--dir", str(out / "data"), "--seed-time=0", "--enable-dht=false", "--enable-dht6=false",
         "--bt-enable-lpd=false", "--enable-peer-exchange=false", "--listen-port=6891",
-        "--bt-stop-timeout=60", "--summary-interval=0", "--console-log-level=warn", "--check-certificate=false",
-        str(out / "blob.torrent")], timeout=90)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    files = list((out / "data").iterdir())
-    assert [f.name for f in files] == ["sha256-" + digest[7:]]
-    assert "sha256:" + _sha256_file(files[0]) == digest
-    assert world.region_bytes() - region_before < size // 10  # from the shoal nodes, not the region
-    assert sum(node.status()["fetch"]["bytes_to_peers"] for node in seeders) >= size
+        "--bt-stop-timeout=8", "--summary-interval=0", "--console-log-level=warn",
+        f"--ca-certificate={world.region.ca}", str(out / "blob.torrent")], timeout=90)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    blob = out / "data" / ("sha256-" + digest[7:])
+    assert not blob.exists() or not blob.read_bytes().strip(b"\0"), "aria2 got bytes of the blob"
+    assert world.region.status(world.lab)["swarm"]["unauthorized"] > unauthorized  # it asked, and was refused
+    assert [node.status()["fetch"]["bytes_to_peers"] for node in seeders] == uploaded
 
 
 def test_node_and_region_metrics(world, nodes):

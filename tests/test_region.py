@@ -26,10 +26,12 @@ import requests
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistryDestination
 from cache.region import backends
-from cache.region.client import RegionSource
+from cache.region.client import RegionLink, RegionSource
 from cache.region.config import AuthConfig, RegionConfig
 from cache.region.server import parse_range, start_server
+from cache.region.tls import ensure_region_tls
 from cache.source import BlobRef, FetchChain, NotHere
+from shoal.errors import TransportError
 from tests.services import free_port, stop_process
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
@@ -76,7 +78,9 @@ class RunningRegion:
     # a callback that holds the event loop this long is blocking I/O on the loop: a bug
     SLOW_CALLBACK = 0.5
 
-    def __init__(self, config: RegionConfig, backend) -> None:
+    def __init__(self, config: RegionConfig, backend, tls=None) -> None:
+        self.tls = tls
+        self.ca = tls.ca if tls else ""
         self.loop = asyncio.new_event_loop()
         self.loop.set_debug(True)
         self.loop.slow_callback_duration = self.SLOW_CALLBACK
@@ -85,7 +89,7 @@ class RunningRegion:
         self.thread = threading.Thread(target=self.loop.run_forever, name="region-loop", daemon=True)
         self.thread.start()
         try:
-            fut = asyncio.run_coroutine_threadsafe(start_server(config, backend, "127.0.0.1", 0), self.loop)
+            fut = asyncio.run_coroutine_threadsafe(start_server(config, backend, "127.0.0.1", 0, tls=tls), self.loop)
             self.server = fut.result(timeout=20)
         except BaseException:
             self._stop_loop()
@@ -93,10 +97,10 @@ class RunningRegion:
             raise
         self.port, self.cache = self.server.port, self.server.cache
         self.backend = backend
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def stats(self) -> dict:
-        return requests.get(self.url + "/-/status", timeout=5).json()
+        return requests.get(self.url + "/-/status", timeout=5, verify=self.ca or True).json()
 
     def wait_idle(self, timeout: float = 20.0) -> dict:
         """The statistics once no fill is running (fills finish after their first responses)."""
@@ -111,6 +115,8 @@ class RunningRegion:
         self.loop.close()
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return
         try:
             asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=30)
         finally:
@@ -137,13 +143,15 @@ def region_factory(tmp_path):
     """start(origin_registry, **config) -> RunningRegion (disk backend unless given one)."""
     started: list[RunningRegion] = []
 
-    def start(origin, backend=None, **options) -> RunningRegion:
+    def start(origin, backend=None, tls: bool = False, **options) -> RunningRegion:
+        """tls: serve HTTPS with a CA and certificate of the region's own (as `shoal region`)."""
         auth = options.pop("auth", AuthConfig())
         config = RegionConfig(origin=origin.url, store=str(tmp_path / f"region-{len(started)}"),
                               auth=auth, **options)
         if backend is None:
             backend = backends.create("disk", root=config.store, capacity=1 << 30, fsync=False)
-        region = RunningRegion(config, backend)
+        own = ensure_region_tls(config.state_dir, "127.0.0.1") if tls else None
+        region = RunningRegion(config, backend, own)
         started.append(region)
         return region
 
@@ -315,6 +323,53 @@ def test_blob_that_does_not_match_its_digest_at_the_origin(registry, region_fact
     assert not os.listdir(Path(region.backend.root) / "tmp")
 
 
+def test_a_corrupt_stored_copy_is_dropped_and_fetched_again(registry, region_factory, tmp_path):
+    """Disk rot in the region's store, found after a restart: a whole-blob answer from
+    the bad copy is cut short (never a complete bad body), a range answer makes the
+    region check the copy in the background; either way the copy is dropped, and the
+    next request is filled from the origin: good bytes, and a good copy in the backend."""
+    from tests.services import wait_for
+
+    data = random.Random(12).randbytes(3 << 20)
+    digest = push_blob(registry, "lib/rot", data, tmp_path)
+    root = tmp_path / "rot-store"
+
+    def restart_with_rot(previous):
+        if previous is not None:
+            previous.stop()
+        region = region_factory(registry, backend=backends.create("disk", root=root, capacity=1 << 30, fsync=False))
+        if previous is None:
+            assert get(region, "lib/rot", digest).content == data
+            region.wait_idle()
+            return restart_with_rot(region)
+        bad = bytearray(data)
+        bad[len(data) // 2] ^= 0xFF
+        with open(region.backend.local_path(digest), "r+b") as fh:
+            fh.write(bad)
+        return region
+
+    region = restart_with_rot(None)
+    try:  # whole blob: the check fails before the last block is sent
+        r = get(region, "lib/rot", digest)
+        assert len(r.content) < len(data)
+    except (requests.exceptions.ChunkedEncodingError, requests.ConnectionError):
+        pass
+    wait_for(lambda: not region.backend.contains(digest), "the bad copy to be dropped", 20)
+    assert region.stats()["store_verify_failures"] == 1
+    assert get(region, "lib/rot", digest).content == data
+    region.wait_idle()
+    assert region.backend.read(digest) == data
+
+    region = restart_with_rot(region)
+    get(region, "lib/rot", digest, {"Range": "bytes=0-99"})  # from the unchecked copy; starts the check
+    wait_for(lambda: not region.backend.contains(digest), "the bad copy to be dropped", 20)
+    r = get(region, "lib/rot", digest, {"Range": f"bytes={len(data) // 2 - 10}-{len(data) // 2 + 9}"})
+    assert r.status_code == 206 and r.content == data[len(data) // 2 - 10:len(data) // 2 + 10]
+    region.wait_idle()
+    assert region.backend.read(digest) == data
+    assert origin_gets(registry, digest, 3) == 3  # one fill, then one refill per detected rot
+
+
 # --- auth ------------------------------------------------------------------------------------
 
 
@@ -387,8 +442,8 @@ def test_region_source_in_a_fetch_chain(basic_registry, region_factory, tmp_path
     reg = basic_registry
     data = random.Random(8).randbytes(2 << 20)
     digest = push_blob(reg, "lib/chain", data, tmp_path, docker_config)  # also logs the node in
-    region = region_factory(reg)
-    source = RegionSource(region.url)
+    region = region_factory(reg, tls=True)
+    source = RegionSource(RegionLink(region.url, ca=region.ca))
     chain = FetchChain([source])
     ref = BlobRef(reg.host, "lib/chain", digest, len(data), plain_http=True)
     ranges = [(0, 10), (10, 20), (1 << 20, (1 << 20) + 5), (len(data) - 3, len(data))]
@@ -406,6 +461,39 @@ def test_region_source_in_a_fetch_chain(basic_registry, region_factory, tmp_path
     with pytest.raises(NotHere, match="down"):  # remembered: not even tried
         dead.read_ranges(ref, [(0, 1)])
     dead.close()
+
+
+def test_region_source_pins_the_region_ca_and_keeps_credentials_off_plain_http(
+        basic_registry, region_factory, tmp_path, docker_config, caplog):
+    """Over HTTPS the region's certificate must chain to the pinned CA; to a plain-HTTP
+    region the node sends no registry credentials (so a private blob is refused there),
+    unless the region is on loopback and the node's option allows it."""
+    reg = basic_registry
+    data = random.Random(10).randbytes(64 << 10)
+    digest = push_blob(reg, "lib/pin", data, tmp_path, docker_config)
+    ref = BlobRef(reg.host, "lib/pin", digest, len(data), plain_http=True)
+    secure = region_factory(reg, tls=True)
+    stranger = ensure_region_tls(str(tmp_path / "another-ca"), "127.0.0.1")  # a CA of someone else
+    for link in (RegionLink(secure.url, ca=stranger.ca), RegionLink(secure.url)):  # no CA: the system store
+        source = RegionSource(link)
+        with pytest.raises(TransportError, match="TLS refused .*certificate verify failed"):
+            source.read_ranges(ref, [(0, 10)])
+        source.close()
+    pinned = RegionSource(RegionLink(secure.url, ca=secure.ca))
+    assert pinned.read_ranges(ref, [(0, 10)]) == [data[:10]]
+    pinned.close()
+    assert oct(os.stat(secure.tls.key).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(os.path.dirname(secure.tls.key)).st_mode & 0o777) == "0o700"
+
+    plain = region_factory(reg)
+    source = RegionSource(plain.url)
+    with caplog.at_level(logging.WARNING, "shoal.fetch"), pytest.raises(TransportError, match="HTTP 401"):
+        source.read_ranges(ref, [(0, 10)])
+    assert "registry credentials are not sent" in caplog.text
+    source.close()
+    allowed = RegionSource(RegionLink(plain.url, plain_http_credentials=True))  # loopback and asked for
+    assert allowed.read_ranges(ref, [(0, 10)]) == [data[:10]]
+    allowed.close()
 
 
 # --- the S3 backend behind the server ------------------------------------------------------
@@ -448,16 +536,27 @@ def test_shoal_region_command(registry, tmp_path):
         )
     try:
         line = proc.stdout.readline().decode()
-        assert "serving" in line and str(port) in line, (line, log_path.read_text())
-        url = f"http://127.0.0.1:{port}"
-        r = requests.get(f"{url}/v2/lib/cli/blobs/{digest}", headers={"Range": "bytes=0-99"}, timeout=30)
+        assert "serving" in line and f"https://127.0.0.1:{port}" in line, (line, log_path.read_text())
+        # HTTPS by default, with a CA and certificate of its own made at first start
+        tls = tmp_path / "store dir" / "tls"
+        ca = str(tls / "ca.pem")
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in tls.iterdir() if p.name.endswith((".key", "token"))} \
+            == {"ca.key": "0o600", "server.key": "0o600", "swarm-ca.key": "0o600", "node-token": "0o600"}
+        assert oct(tls.stat().st_mode & 0o777) == "0o700"
+        url = f"https://127.0.0.1:{port}"
+        r = requests.get(f"{url}/v2/lib/cli/blobs/{digest}", headers={"Range": "bytes=0-99"}, timeout=30, verify=ca)
         assert r.status_code == 206 and r.content == data[:100]
-        status = requests.get(f"{url}/-/status", timeout=10).json()
+        status = requests.get(f"{url}/-/status", timeout=10, verify=ca).json()
         assert status["misses"] == 1 and status["backend"]["capacity_bytes"] == 64 << 20
+        with pytest.raises(requests.exceptions.SSLError):  # not a certificate the system trusts
+            requests.get(f"{url}/-/status", timeout=10)
+        with pytest.raises(requests.ConnectionError):  # no plain HTTP on the port
+            requests.get(f"http://127.0.0.1:{port}/-/status", timeout=10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         text = log_path.read_text()
         assert digest in text and "127.0.0.1" in text  # logs name the blob and the client
+        assert ca in text  # where nodes find the CA to pin
     finally:
         stop_process(proc)
         proc.stdout.close()
@@ -488,9 +587,11 @@ def test_shoal_region_usage_errors(tmp_path):
     r = run("--store", str(tmp_path))
     assert r.returncode == 2 and "origin" in r.stderr
     bad = tmp_path / "bad.toml"
-    bad.write_text("[disk]\ncapacty = 5\n")
+    bad.write_text("[disk]\ncapacity = -5\n")
     r = run("--origin", "http://127.0.0.1:1", "--config", str(bad))
-    assert r.returncode == 2 and "disk.capacty" in r.stderr
+    assert r.returncode == 2 and "disk.capacity = -5" in r.stderr
+    r = run("--origin", "http://127.0.0.1:1", "--plain-http", "--listen", "192.0.2.1:5080")
+    assert r.returncode == 2 and "plain HTTP" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run("--origin", "ftp://x", "--store", str(tmp_path / "s"), "--listen", "127.0.0.1:0")
     assert r.returncode in (1, 2) and "origin" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -513,12 +614,33 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
         )
     try:
         assert "serving" in proc.stdout.readline().decode(), log_path.read_text()
-        url = f"http://127.0.0.1:{port}/p2p/v1/torrents/{digest}?repo=team/private"
-        good = {"Authorization": basic(basic_registry.username, basic_registry.password)}
-        assert requests.get(url, timeout=30).status_code == 401  # no credentials
+        ca = str(tmp_path / "store" / "tls" / "ca.pem")
+        token = (tmp_path / "store" / "tls" / "node-token").read_text().strip()
+        base = f"https://127.0.0.1:{port}/p2p/v1"
+        url = f"{base}/torrents/{digest}?repo=team/private"
+        node = {"X-Shoal-Node-Token": token}
+        good = {"Authorization": basic(basic_registry.username, basic_registry.password), **node}
+        ih = "%01" * 20
+        # without the region's node token: no metadata, no tracker, whatever the registry credentials
+        for call in (url, f"{base}/announce?info_hash={ih}&port=6881&left=1", f"{base}/scrape?info_hash={ih}",
+                     f"{base}/rank?info_hash={ih}&port=6881", f"{base}/status"):
+            for headers in ({}, {"Authorization": good["Authorization"]}, {"X-Shoal-Node-Token": "guess"}):
+                r = requests.get(call, headers=headers, timeout=30, verify=ca)
+                assert r.status_code == 401 and "node token" in r.text, (call, headers, r.status_code)
+        assert requests.get(url, headers=node, timeout=30, verify=ca).status_code == 401  # no registry credentials
+        # a bad-bytes report makes the region re-hash its copy: only its nodes may ask
+        check = f"https://127.0.0.1:{port}/-/check/{digest}"
+        assert requests.post(check, headers={"X-Shoal-Node-Token": "guess"}, timeout=30, verify=ca).status_code == 401
+        assert requests.post(check, headers=node, timeout=30, verify=ca).status_code == 202
+        # rank: the address the region sees, and only a port that address announced
+        assert requests.get(f"{base}/rank?info_hash={ih}&port=7000", headers=node, timeout=30,
+                            verify=ca).status_code == 400
+        assert b"interval" in requests.get(f"{base}/announce?info_hash={ih}&port=7000&left=1", headers=node,
+                                           timeout=30, verify=ca).content
+        assert requests.get(f"{base}/rank?info_hash={ih}", headers=node, timeout=30, verify=ca).json()["rank"] == 0
         deadline = time.monotonic() + 30
         while True:  # the first request starts the fill through the region: 404 + Retry-After
-            r = requests.get(url, headers=good, timeout=30)
+            r = requests.get(url, headers=good, timeout=30, verify=ca)
             if r.status_code == 200 or time.monotonic() > deadline:
                 break
             assert r.status_code == 404 and "Retry-After" in r.headers, (r.status_code, r.text)
@@ -526,8 +648,10 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
         assert r.status_code == 200, r.text
         meta, announce = parse_torrent(r.content, digest, len(data))
         assert meta.length == len(data) and announce and announce.endswith("/p2p/v1/announce")
-        assert requests.get(url, headers={"Authorization": basic("intruder", "nope")}, timeout=30).status_code in (
-            401, 403)
+        assert requests.get(url, headers={"Authorization": basic("intruder", "nope"), **node}, timeout=30,
+                            verify=ca).status_code in (401, 403)
+        status = requests.get(f"https://127.0.0.1:{port}/-/status", timeout=10, verify=ca).json()
+        assert status["swarm"]["unauthorized"] == 15 and status["swarm"]["refused"] == 1
     finally:
         stop_process(proc)
         proc.stdout.close()

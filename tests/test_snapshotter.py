@@ -468,12 +468,13 @@ def test_config_defaults_and_errors(tmp_path):
     good.write_text("[metrics]\naddress = '[::1]:9464'\n")
     assert load_config(good).metrics.host_port() == ("::1", 9464)
     for text, message in [
-        ("[snapshoter]\n", "unknown configuration key snapshoter"),
-        ("[snapshotter]\ngrpc_thread = 4\n", "unknown configuration key snapshotter.grpc_thread"),
-        ("[snapshotter]\ngrpc_threads = 'four'\n", "snapshotter.grpc_threads: expected int"),
-        ("[snapshotter]\ngrpc_threads = 0\n", "at least 1"),
+        ("[snapshotter]\ngrpc_threads = 'four'\n", "snapshotter.grpc_threads = 'four': must be a whole number"),
+        ("[snapshotter]\ngrpc_threads = 0\n", "must be between 1 and 1024"),
         ("[snapshotter\n", "not valid TOML"),
-        ("[metrics]\naddress = 'localhost'\n", "metrics.address 'localhost': want HOST:PORT"),
+        ("[metrics]\naddress = 'localhost'\n", "metrics.address = 'localhost': want HOST:PORT"),
+        (f"[fetch]\nregion_ca = '{tmp_path}/no-ca.pem'\n", "fetch.region_ca"),
+        (f"[fetch]\nregion_token_file = '{tmp_path}/no-token'\n", "fetch.region_token_file"),
+        ("[fetch]\nregion_plain_http_credentials = 'yes'\n", "must be true or false"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)
@@ -626,11 +627,11 @@ def test_node_restarts_after_kill_and_refuses_a_second_daemon(node_factory, shor
     assert node.proc.poll() is None
 
     bad = short_tmp / "bad.toml"
-    bad.write_text("[snapshotter]\nthreads = 3\n")
+    bad.write_text("[snapshotter]\ngrpc_threads = -3\n")
     proc = subprocess.run([str(SHOAL), "node", "--root", str(short_tmp / "r2"), "--socket", str(short_tmp / "x.sock"),
                            "--config", str(bad)], capture_output=True, text=True, timeout=30, check=False)
-    assert proc.returncode == 1
-    assert "unknown configuration key snapshotter.threads" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2
+    assert "snapshotter.grpc_threads = -3" in proc.stderr.strip().splitlines()[-1]
 
 
 # --- containerd's conformance suite (Go) -----------------------------------------------------

@@ -314,7 +314,7 @@ def node(module_registry, tmp_path_factory):
     with open_source(f"docker://{base_ref}", plain_http=True) as s:
         root = s.get_root()
         manifest = json.loads(root.data)
-        config = json.loads(s.read_blob(manifest["config"]["digest"], manifest["config"]["size"]))
+        config = json.loads(s.read_small_blob(manifest["config"]["digest"], manifest["config"]["size"], "config"))
     base_desc, base_diff = manifest["layers"][0], config["rootfs"]["diff_ids"][0]
     keep = tar_of([E("keep/", "dir", mode=0o755), E("keep/precious", data=b"sentinel layer\n")])
     desc, blob = gzip_layer(keep)

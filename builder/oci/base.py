@@ -23,6 +23,7 @@ import abc
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from builder.oci.documents import MAX_DOCUMENT_BYTES
 from shoal.errors import FormatError
 
 
@@ -74,6 +75,17 @@ class ImageSource(abc.ABC):
             data = stream.read(end - start) if not remaining else b""
         if len(data) != end - start:
             raise FormatError(f"{self.reference}: blob {digest} ends before byte {end}")
+        return data
+
+    def read_small_blob(self, digest: str, size: int, what: str, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
+        """A document-sized blob (an image config, a profile) read to its end, so that
+        its digest is checked. FormatError if `size` is more than `limit`."""
+        if not 0 <= size <= limit:
+            raise FormatError(f"{what}: {size} bytes, more than {limit}")
+        with self.open_blob(digest, size) as f:
+            data = f.read(size + 1)
+            while f.read(65536):
+                pass
         return data
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from builder.oci.base import ImageDestination, ImageSource, Manifest
+from builder.oci.documents import document_media_type, load_document
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, hex_of, verify
 from shoal.errors import (
@@ -105,23 +106,15 @@ class VerifyingReader(io.RawIOBase):
 
 
 def declared_media_type(data: bytes) -> str | None:
-    """A manifest's own `mediaType` field (None if absent); FormatError if not a JSON object."""
-    try:
-        doc = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"manifest is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise FormatError("manifest is not a JSON object")
-    declared = doc.get("mediaType")
+    """A manifest's own `mediaType` field (None if absent); FormatError if it is not a
+    well-formed document (builder/oci/documents.py)."""
+    declared = load_document(data, "manifest").get("mediaType")
     return declared if isinstance(declared, str) and declared else None
 
 
 def detect_media_type(data: bytes) -> str:
     """Media type from a manifest's own `mediaType` field, else from its shape."""
-    declared = declared_media_type(data)
-    if declared:
-        return declared
-    return mt.OCI_INDEX if "manifests" in json.loads(data) else mt.OCI_MANIFEST
+    return document_media_type(load_document(data, "manifest"))
 
 
 class _Layout:
@@ -144,11 +137,8 @@ class _Layout:
             raise TransportError(f"{self.reference}: not an OCI layout (no index.json)") from None
         except OSError as exc:
             raise TransportError(f"{self.reference}: cannot read index.json ({exc.strerror})") from None
-        try:
-            index = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{self.reference}: index.json is not valid JSON ({exc})") from None
-        if not isinstance(index, dict) or not isinstance(index.get("manifests", []), list):
+        index = load_document(data, f"{self.reference}: index.json")
+        if not isinstance(index.get("manifests", []), list):
             raise FormatError(f"{self.reference}: index.json is not an OCI index")
         return index
 

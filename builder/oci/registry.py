@@ -31,11 +31,23 @@ import urllib3
 
 from builder.oci.auth import Credentials, auth_files, find_credentials
 from builder.oci.base import ImageDestination, ImageSource, Manifest
-from builder.oci.layout import MAX_MANIFEST_SIZE, VerifyingReader, declared_media_type, detect_media_type
+from builder.oci.documents import load_document
+from builder.oci.layout import (
+    MAX_MANIFEST_SIZE,
+    VerifyingReader,
+    declared_media_type,
+    detect_media_type,
+)
 from builder.oci.refs import DockerRef
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
-from shoal.errors import DigestMismatch, FormatError, NotFound, TransportError, UsageError
+from shoal.errors import (
+    DigestMismatch,
+    FormatError,
+    NotFound,
+    TransportError,
+    UsageError,
+)
 
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
@@ -405,14 +417,6 @@ class RegistrySource(ImageSource):
             raise DigestMismatch(f"{what}: registry serves {length} bytes, want {size}")
         return VerifyingReader(_raw_reader(resp, what), digest, size, what, close_fn=resp.close)
 
-    def read_blob(self, digest: str, size: int | None = None) -> bytes:
-        """A (small) blob's bytes, read to its end so that the digest is checked."""
-        with self.open_blob(digest, size) as f:
-            data = f.read()
-            while f.read(65536):
-                pass
-        return data
-
     def read_range(self, digest: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a blob via an HTTP Range request.
 
@@ -458,7 +462,7 @@ def _manifest_type(content_type: str, data: bytes, what: str) -> str:
     """The manifest's media type: a known Content-Type, else its own field or shape."""
     try:
         declared = declared_media_type(data)
-        if json.loads(data).get("schemaVersion") == 1:
+        if load_document(data, "manifest").get("schemaVersion") == 1:
             raise FormatError("Docker schema 1 manifests are not supported")
     except FormatError as exc:
         raise FormatError(f"{what}: {exc}") from None

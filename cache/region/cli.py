@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--store", metavar="DIR", help="the disk backend's folder (default /var/lib/shoal/region)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration (flags win over it)")
     p.add_argument("--backend", choices=["disk", "s3"], help="where blobs are kept (default disk)")
+    p.add_argument("--plain-http", action="store_true", default=None,
+                   help="serve plain HTTP instead of HTTPS (loopback listen addresses only: demos and tests)")
     p.set_defaults(func=cmd_region)
 
 
@@ -41,7 +43,7 @@ def cmd_region(args: argparse.Namespace) -> int:
         raise ShoalError("the region cache needs aiohttp: install shoal with the node extras "
                          "(pip install 'shoal[node]')") from None
     config = load_config(args.config, listen=args.listen, origin=args.origin, store=args.store,
-                         backend=args.backend)
+                         backend=args.backend, plain_http=args.plain_http)
     host, port = config.listen_address
     logging.getLogger("shoal").setLevel(min(logging.getLogger("shoal").getEffectiveLevel(), logging.INFO))
     try:
@@ -53,16 +55,36 @@ def cmd_region(args: argparse.Namespace) -> int:
                          "(pip install 'shoal[node]')") from None
     except OSError as exc:
         raise ShoalError(f"store {config.store}: {exc.strerror or exc}") from None
+    tls = None
+    if not config.plain_http:
+        from cache.region.tls import RegionTLS, ensure_region_tls
+
+        try:
+            if config.tls_cert:
+                tls = RegionTLS("", config.tls_cert, config.tls_key)
+            else:
+                tls = ensure_region_tls(config.state_dir, host, config.tls_names)
+            tls.server_context()  # a bad key or certificate: one line now
+        except OSError as exc:
+            raise ShoalError(f"region TLS in {config.state_dir}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ShoalError(f"region TLS certificate {tls.cert if tls else config.state_dir}: {exc}") from None
+    from cache.region.tls import ensure_node_token
+
+    try:
+        token = ensure_node_token(config.token_path)
+    except OSError as exc:
+        raise ShoalError(f"node token {config.token_path}: {exc.strerror or exc}") from None
     import asyncio
 
-    return asyncio.run(_serve(config, backend, host, port))
+    return asyncio.run(_serve(config, backend, host, port, tls, token))
 
 
-async def _serve(config, backend, host: str, port: int) -> int:
+async def _serve(config, backend, host: str, port: int, tls, token: str) -> int:
     from cache.region.server import start_server
 
     try:
-        server = await start_server(config, backend, host, port)
+        server = await start_server(config, backend, host, port, tls=tls, node_token=token)
     except OSError as exc:
         raise ShoalError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     import asyncio
@@ -72,7 +94,12 @@ async def _serve(config, backend, host: str, port: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # one line for people and scripts that wait for it
-    print(f"shoal region: serving {config.origin} on http://{host}:{server.port} ({config.backend} backend)", flush=True)
+    scheme = "https" if tls else "http"
+    print(f"shoal region: serving {config.origin} on {scheme}://{host}:{server.port} ({config.backend} backend)",
+          flush=True)
+    if tls is not None and tls.ca:
+        log.info("nodes pin the region's CA certificate %s ([fetch] region_ca)", tls.ca)
+    log.info("nodes present the token in %s ([fetch] region_token_file)", config.token_path)
     await stop.wait()
     log.info("stopping")
     await server.stop()

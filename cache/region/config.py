@@ -10,6 +10,11 @@ Every option, with its default (an empty file, or none, gives these):
     origin_verify_tls = true       # check the origin's TLS certificate
     io_threads = 32                # worker threads for file and S3 I/O (never on the event loop)
     block_size = "1M"              # bytes per read/write when streaming blobs
+    plain_http = false             # serve plain HTTP instead of HTTPS (--plain-http; loopback listen only)
+    tls_cert = ""                  # PEM certificate (chain) to serve; "" = the region's own (below)
+    tls_key = ""                   # its private key
+    tls_dir = ""                   # the region's own CA and certificate; "" = <store>/tls
+    tls_names = []                 # more names/addresses its own certificate covers (beside the listen host)
 
     [disk]
     capacity = ""                  # bytes ("500G"); empty: the recorded one, else 20% of free disk
@@ -29,39 +34,31 @@ Every option, with its default (an empty file, or none, gives these):
     ttl = 60.0                     # seconds an allowed (credentials, repository) is remembered
     negative_ttl = 5.0             # seconds a refusal is remembered
 
-Tables other than these belong to other parts of `shoal region` and are ignored here;
-unknown keys in these tables are errors (a typo must not silently fall back to a default).
+    [nodes]
+    token_file = ""                # the secret nodes present to /p2p/v1/ (made at first start); "" = <tls_dir>/node-token
+
+Every value is checked at start (type and range; shoal/config.py): a bad one stops the
+region with one line naming the key. An unknown key is a warning naming it.
 """
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, field, fields
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
+from builder.oci.registry import is_loopback
+from shoal.config import host_port_check, limits, load, split_host_port, url_check
 from shoal.errors import UsageError
 
+log = logging.getLogger("shoal.region")
 
-def parse_size(text: str | int | None) -> int | None:
-    """"500G", "1.5M", "4096", 4096 -> bytes; "" or None -> None."""
-    if text is None or text == "":
-        return None
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise UsageError(f"not a size: {text!r} (e.g. 500G, 64M, 4096)") from None
+_SIZE = limits(min=0, size=True)
 
 
 @dataclass
 class DiskConfig:
-    capacity: int | None = None
+    capacity: int | None = field(default=None, metadata=_SIZE)
     fsync: bool = True
 
 
@@ -69,43 +66,54 @@ class DiskConfig:
 class S3Config:
     bucket: str = ""
     prefix: str = "shoal/"
-    endpoint_url: str = ""
+    endpoint_url: str = field(default="", metadata=limits(check=url_check()))
     region: str = ""
     profile: str = ""
-    capacity: int | None = None
+    capacity: int | None = field(default=None, metadata=_SIZE)
     create_bucket: bool = False
 
 
 @dataclass
 class AuthConfig:
     check: bool = True
-    ttl: float = 60.0
-    negative_ttl: float = 5.0
+    ttl: float = field(default=60.0, metadata=limits(min=0, max=86400))
+    negative_ttl: float = field(default=5.0, metadata=limits(min=0, max=86400))
+
+
+@dataclass
+class NodesConfig:
+    token_file: str = ""
 
 
 @dataclass
 class RegionConfig:
-    listen: str = "127.0.0.1:5080"
-    origin: str = ""
+    listen: str = field(default="127.0.0.1:5080", metadata=limits(check=host_port_check))
+    origin: str = field(default="", metadata=limits(check=url_check(path=False)))
     store: str = "/var/lib/shoal/region"
-    backend: str = "disk"
-    origin_timeout: float = 30.0
+    backend: str = field(default="disk", metadata=limits(choices=("disk", "s3")))
+    origin_timeout: float = field(default=30.0, metadata=limits(min=0.1, max=3600))
     origin_verify_tls: bool = True
-    io_threads: int = 32
-    block_size: int = 1 << 20
+    io_threads: int = field(default=32, metadata=limits(min=1, max=1024))
+    block_size: int = field(default=1 << 20, metadata=limits(min=4096, max=64 << 20, size=True))
+    plain_http: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_dir: str = ""
+    tls_names: list[str] = field(default_factory=list)
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
     # The swarm's tracker and torrent metadata at /p2p/v1/ (p2p/, docs/p2p.md); metadata is
     # served only to clients the origin would serve the blob to.
     swarm: bool = True
 
     @property
     def listen_address(self) -> tuple[str, int]:
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise UsageError(f"--listen {self.listen!r}: want HOST:PORT")
-        return host.strip("[]"), int(port)
+        try:
+            return split_host_port(self.listen)
+        except ValueError as e:
+            raise UsageError(f"--listen {self.listen!r}: {e}") from None
 
     def backend_options(self) -> dict:
         if self.backend == "disk":
@@ -121,56 +129,25 @@ class RegionConfig:
             }
         raise UsageError(f"unknown backend {self.backend!r} (want disk or s3)")
 
+    @property
+    def state_dir(self) -> str:
+        """The region's own CA, certificate and node token (0700)."""
+        return self.tls_dir or str(Path(self.store) / "tls")
 
-_SIZES = {"capacity", "block_size"}
-_TABLES = {"disk": DiskConfig, "s3": S3Config, "auth": AuthConfig}
-
-
-def _apply(obj: object, values: dict, where: str) -> None:
-    known = {f.name: f for f in fields(obj)}
-    for key, value in values.items():
-        if key in _TABLES and where == "":
-            if not isinstance(value, dict):
-                raise UsageError(f"config: [{key}] must be a table")
-            _apply(getattr(obj, key), value, key)
-            continue
-        if isinstance(value, dict) and where == "":
-            continue  # another component's table
-        if key not in known:
-            raise UsageError(f"config: unknown option {where + '.' if where else ''}{key}")
-        current = getattr(obj, key)
-        if key in _SIZES:
-            value = parse_size(value)
-        elif isinstance(current, bool):
-            if not isinstance(value, bool):
-                raise UsageError(f"config: {where + '.' if where else ''}{key} must be true or false")
-        elif isinstance(current, (int, float)) and not isinstance(value, (int, float)):
-            raise UsageError(f"config: {where + '.' if where else ''}{key} must be a number")
-        elif isinstance(current, str) and not isinstance(value, str):
-            raise UsageError(f"config: {where + '.' if where else ''}{key} must be a string")
-        setattr(obj, key, type(current)(value) if isinstance(current, float) else value)
+    @property
+    def token_path(self) -> str:
+        return self.nodes.token_file or str(Path(self.state_dir) / "node-token")
 
 
 def load_config(path: str | None = None, **overrides: object) -> RegionConfig:
-    """Defaults, then the TOML file (if any), then non-None overrides (the flags)."""
-    config = RegionConfig()
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise UsageError(f"config {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise UsageError(f"config {path}: {exc}") from None
-        _apply(config, data, "")
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(config, key, value)
+    """Defaults, then the TOML file (if any), then non-None overrides (the flags); every
+    value checked (shoal/config.py), unknown keys logged as warnings."""
+    config = load(RegionConfig, path, overrides, log)
     if not config.origin:
         raise UsageError("an origin registry is required (--origin URL or origin = in the config)")
-    parsed = urlparse(config.origin)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.path not in ("", "/"):
-        raise UsageError(f"origin {config.origin!r}: want http://HOST[:PORT] or https://HOST[:PORT]")
-    if config.io_threads < 1 or config.block_size < 4096:
-        raise UsageError("config: io_threads must be >= 1 and block_size >= 4K")
+    if config.plain_http and not is_loopback(config.listen_address[0]):
+        raise UsageError(f"plain HTTP (--plain-http) only on a loopback address, not {config.listen}: "
+                         "nodes send registry credentials to the region")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise UsageError("config: tls_cert and tls_key go together")
     return config

@@ -9,7 +9,9 @@ HTTP API (what nodes and containerd, as a hosts.toml mirror, talk to):
 - Other `GET`/`HEAD /v2/...` (the `/v2/` ping, manifests, tags): passed through to the
   origin with the client's credentials, not cached, so that a mirror with the `resolve`
   capability works and clients see the origin's auth challenges. Other methods: 405.
-- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy`: 200;
+- `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy` and
+  `/healthz`: 200 while the server answers; `/readyz`: 200 when its backend answers too
+  (503 otherwise: Kubernetes probes);
   `GET /-/metrics`: the same figures (and the swarm service's) for Prometheus.
 
 Blob requests, in order:
@@ -20,7 +22,17 @@ Blob requests, in order:
    digest)). So a cached private blob is served only to a client that the origin would
    have served, and never under a repository it does not belong to. When the origin
    cannot be asked and nothing is remembered, the answer is 503 (fail closed).
-2. Hit: the backend has the blob; it is streamed from there.
+2. Hit: the backend has the blob; it is streamed from there. A stored copy is proven
+   once per process: at the fill that committed it, else at its first use after a
+   (re)start. A whole-blob answer from an unproven copy is hashed as it goes out and
+   its last block is held back until the hash matches (a bad copy is a cut response,
+   never a complete bad body); a range answer from an unproven copy is served at once
+   (the node verifies every chunk and asks the origin when it fails) while the whole
+   copy is hashed in the background (`region-check` threads). A copy that fails is
+   deleted from the backend (counted as store_verify_failures, logged), so the next
+   request fills it again from the origin. `POST /-/check/<digest>` (a node whose
+   bytes from here failed their check) hashes the stored copy again, at most once per
+   RECHECK_EVERY seconds per blob; the answer is 202 whatever the outcome.
 3. Miss: one fill per digest fetches the whole blob from the origin (with the first
    client's credentials) into a staging file while every client of that blob, however
    many, reads its range from the staging file as the bytes arrive (coalescing). The
@@ -38,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -52,6 +65,7 @@ from aiohttp import web
 
 from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
 from cache.region.config import RegionConfig
+from cache.region.tls import TOKEN_HEADER
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
 from shoal.metrics import CONTENT_TYPE, render
@@ -63,6 +77,8 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _NAME_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _MAX_REMEMBERED = 100_000
+RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
+_CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
@@ -237,8 +253,13 @@ class Fill:
 class RegionCache:
     """The region cache service for one origin and one backend."""
 
-    def __init__(self, config: RegionConfig, backend: Backend) -> None:
+    def __init__(self, config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "") -> None:
+        """tls: the cache.region.tls.RegionTLS it serves with (None: plain HTTP);
+        node_token: the secret the swarm service's callers must present ("" = none asked:
+        in-process tests only; `shoal region` always has one)."""
         self.config = config
+        self.tls = tls
+        self.node_token = node_token
         self.backend = backend
         self.upstream = Upstream(config.origin, timeout=config.origin_timeout,
                                  verify_tls=config.origin_verify_tls)
@@ -247,10 +268,20 @@ class RegionCache:
         self._fills: dict[str, Fill] = {}
         self._commits = 0  # fills committed so far
         self._fill_tasks: set[asyncio.Task] = set()
+        # stored copies: proven in this process (digest -> True), checks running, the
+        # generation of each digest's copy (a commit replaces it: a check of the old
+        # copy must not drop the new one), when a node last reported each
+        self._proven: dict[str, bool] = {}
+        self._checks: dict[str, asyncio.Task] = {}
+        self._generation: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
+        self._check_pool = ThreadPoolExecutor(max_workers=_CHECK_THREADS, thread_name_prefix="region-check")
+        self._closing = False
         self.stats: dict[str, int] = dict.fromkeys((
             "requests", "hits", "misses", "coalesced", "fills", "fills_committed", "fills_failed",
             "origin_bytes", "bytes_served", "auth_checks", "auth_cache_hits", "auth_coalesced",
             "denied", "not_found", "errors", "aborted", "proxied",
+            "store_checks", "store_verify_failures", "store_check_reports",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.swarm = None  # the swarm service (p2p/tracker/server.py SwarmService) when mounted
@@ -262,7 +293,10 @@ class RegionCache:
         app = web.Application(client_max_size=1 << 20)
         app.router.add_route("GET", "/-/status", self._status)
         app.router.add_route("GET", "/-/healthy", self._healthy)
+        app.router.add_route("GET", "/healthz", self._healthy)  # liveness: the server answers
+        app.router.add_route("GET", "/readyz", self._ready)  # readiness: and so does its backend
         app.router.add_route("GET", "/-/metrics", self._metrics)
+        app.router.add_route("POST", "/-/check/{digest}", self._check_report)
         app.router.add_route("*", r"/v2/{name:.+}/blobs/{digest:[^/]+}", self._blob)
         app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
         app.on_startup.append(self._on_startup)
@@ -290,18 +324,34 @@ class RegionCache:
         from p2p.tracker.server import SERVICE_KEY
 
         host, port = self.config.listen_address
+        scheme = "https" if self.tls else "http"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # a name its certificate has
+        if ":" in host:
+            host = f"[{host}]"
+        from cache.region.tls import PeerCA, client_context
+
+        try:
+            peer_ca = PeerCA(self.config.state_dir)
+        except ImportError:
+            peer_ca = None
+            log.warning("the cryptography package is missing: the swarm runs without peer certificates "
+                        "(any peer that knows a torrent can get its pieces)")
         sub = mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
-                              self_url=f"http://{host}:{port}", authorize=authorize)
+                              self_url=f"{scheme}://{host}:{port}", authorize=authorize,
+                              self_ssl=client_context(self.tls.ca) if self.tls else None,
+                              node_token=self.node_token, peer_ca=peer_ca)
         self.swarm = sub[SERVICE_KEY]
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        self._closing = True  # stops the hashing of running checks
         for task in list(self._fill_tasks):
             task.cancel()
         if self._fill_tasks:
             await asyncio.gather(*self._fill_tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._check_pool.shutdown)
         await self.upstream.close()
         await self._run(self.backend.close)
         self._pool.shutdown(wait=True)
@@ -321,7 +371,10 @@ class RegionCache:
             backend = await self._run(self.backend.statistics)
         except BackendError as exc:
             backend = {"error": str(exc)}
-        return web.json_response({"origin": self.upstream.url, **self.statistics(), "backend": backend})
+        out = {"origin": self.upstream.url, **self.statistics(), "backend": backend}
+        if self.swarm is not None:
+            out["swarm"] = self.swarm.statistics()
+        return web.json_response(out)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
@@ -333,6 +386,14 @@ class RegionCache:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def _healthy(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._pool, self.backend.contains, "sha256:" + "0" * 64), 10)
+        except Exception as e:  # noqa: BLE001 (a probe answers "not ready", whatever failed)
+            return web.Response(status=503, text=f"backend not ready: {e or type(e).__name__}\n")
         return web.Response(text="ok\n")
 
     # --- blobs ------------------------------------------------------------------------
@@ -454,6 +515,7 @@ class RegionCache:
 
     async def _serve_stored(self, request: web.Request, digest: str, note: dict) -> web.StreamResponse | None:
         """The response for a blob in the backend, or None if it is not there."""
+        generation = self._generation.get(digest, 0)
         opened = await self._run(self._open_stored, digest, request.headers.get("Range"), request.method == "HEAD")
         if opened is None:
             return None
@@ -462,26 +524,124 @@ class RegionCache:
         if stream is None:  # HEAD
             return web.Response(status=200, headers=_blob_headers(digest, size))
         start, end = span or (0, size)
+        hasher = None
+        if not self._proven.get(digest):
+            if span is None:  # the whole unproven copy: hashed on the way out (module doc, 2)
+                hasher = hashlib.sha256()
+            else:
+                self._check_stored(digest)
         resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(digest, size, span))
         resp.content_length = end - start
         try:
             await resp.prepare(request)
             while data is not None:
-                await resp.write(data)
-                note["bytes"] += len(data)
-                self.stats["bytes_served"] += len(data)
                 try:
-                    data = await self._run(next, stream, None)
+                    following = await self._run(_hash_and_next, stream, hasher, data)
                 except BackendError as exc:
                     log.warning("%s: %s; cutting the response to %s", digest, exc, request.remote)
                     self.stats["aborted"] += 1
                     _abort(request)
                     return resp
+                if following is None and hasher is not None:  # `data` is the last block
+                    got = "sha256:" + hasher.hexdigest()
+                    if got != digest:
+                        await self._drop_stored(digest, generation, f"hashes to {got}")
+                        self.stats["aborted"] += 1
+                        _abort(request)
+                        return resp
+                    self._prove(digest)
+                await resp.write(data)
+                note["bytes"] += len(data)
+                self.stats["bytes_served"] += len(data)
+                data = following
             await resp.write_eof()
         finally:
             if note["bytes"] < end - start:  # not exhausted (an exhausted stream closed itself)
                 await self._run(stream.close)
         return resp
+
+    # --- proving stored copies (module doc, 2) ---------------------------------------------
+
+    def _check_stored(self, digest: str, force: bool = False) -> None:
+        """Hash the stored copy of `digest` in the background, unless it is proven (or
+        `force`) or a check is running; a copy that fails is dropped."""
+        if digest in self._checks or (self._proven.get(digest) and not force) or self._closing:
+            return
+        self._proven.pop(digest, None)
+        task = asyncio.ensure_future(self._run_check(digest, self._generation.get(digest, 0)))
+        self._checks[digest] = task
+        self._fill_tasks.add(task)  # cancelled at cleanup, as fills are
+        task.add_done_callback(lambda _: self._checks.pop(digest, None))
+        task.add_done_callback(self._fill_tasks.discard)
+
+    async def _run_check(self, digest: str, generation: int) -> None:
+        self.stats["store_checks"] += 1
+        loop = asyncio.get_running_loop()
+        try:
+            got = await loop.run_in_executor(self._check_pool, self._hash_stored, digest)
+        except BackendError as exc:
+            log.warning("%s: cannot check the stored copy: %s", digest, exc)
+            return
+        if got is None:
+            return  # gone (evicted, dropped) or the server is stopping
+        if got == digest:
+            if self._generation.get(digest, 0) == generation:
+                self._prove(digest)
+            return
+        await self._drop_stored(digest, generation, f"hashes to {got}")
+
+    def _prove(self, digest: str) -> None:
+        if len(self._proven) >= _MAX_REMEMBERED:
+            self._proven.clear()  # forgotten copies are hashed again at their next use
+        self._proven[digest] = True
+
+    def _hash_stored(self, digest: str) -> str | None:
+        """In a check thread: the digest of the stored copy; None if it is not there."""
+        hasher = hashlib.sha256()
+        try:
+            stream = self.backend.stream(digest, 0, None, self._block)
+        except BlobNotFound:
+            return None
+        try:
+            for data in stream:
+                if self._closing:
+                    return None
+                hasher.update(data)
+        finally:
+            stream.close()
+        return "sha256:" + hasher.hexdigest()
+
+    async def _drop_stored(self, digest: str, generation: int, why: str) -> None:
+        """The stored copy of `generation` is bad: delete it (unless a fill has replaced
+        it meanwhile), so the next request fetches the blob from the origin again."""
+        if self._generation.get(digest, 0) != generation or digest in self._fills:
+            return
+        self._proven.pop(digest, None)
+        log.error("%s: the stored copy in the %s backend %s; dropping it (the next request fetches it from "
+                  "the origin)", digest, self.backend.name, why)
+        try:
+            await self._run(self.backend.delete, digest)
+        except BackendError as exc:
+            log.error("%s: cannot drop the bad stored copy: %s", digest, exc)
+        self.stats["store_verify_failures"] += 1  # counted once it is gone (tests wait for it)
+
+    async def _check_report(self, request: web.Request) -> web.Response:
+        """`POST /-/check/<digest>`: a client's bytes from here failed their check."""
+        digest = request.match_info["digest"]
+        if not is_digest(digest):
+            raise web.HTTPBadRequest(text=f"invalid digest {digest[:100]!r}\n")
+        expected = self.node_token.encode()
+        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
+            raise web.HTTPUnauthorized(text="a bad-bytes report needs the region's node token\n")
+        now = time.monotonic()
+        if now - self._reported.get(digest, -RECHECK_EVERY) >= RECHECK_EVERY:
+            if len(self._reported) >= _MAX_REMEMBERED:
+                self._reported = {d: t for d, t in self._reported.items() if now - t < RECHECK_EVERY}
+            self._reported[digest] = now
+            self.stats["store_check_reports"] += 1
+            log.warning("%s reports bad bytes of %s from this cache; checking the stored copy", request.remote, digest)
+            self._check_stored(digest, force=True)
+        return web.Response(status=202, text="checking\n")
 
     def _start_fill(self, name: str, digest: str, authorization: str | None) -> Fill:
         fill = Fill(digest=digest, repo=name, path=self.backend.temp_path())
@@ -541,6 +701,8 @@ class RegionCache:
             except BackendError as exc:
                 log.warning("%s: not cached: %s", digest, exc)
             if committed:
+                self._generation[digest] = self._generation.get(digest, 0) + 1
+                self._prove(digest)  # the bytes just hashed are the stored copy
                 self._commits += 1
                 self.stats["fills_committed"] += 1
                 log.info("cached %s@%s (%d bytes) from the origin", name, digest, fill.size)
@@ -659,6 +821,8 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
         ("shoal_region_fills_total", c, "Fills by outcome.",
          [({"result": "committed"}, stats["fills_committed"]), ({"result": "failed"}, stats["fills_failed"])]),
         ("shoal_region_errors_total", c, "Blob requests answered 5xx.", stats["errors"]),
+        ("shoal_region_store_verify_failures_total", c, "Stored copies that failed their digest and were dropped.",
+         stats["store_verify_failures"]),
         ("shoal_region_stored_bytes", g, "Bytes in the backend.", backend.get("size_bytes")),
         ("shoal_region_capacity_bytes", g, "The backend's capacity.", backend.get("capacity_bytes")),
         ("shoal_region_stored_blobs", g, "Blobs in the backend.", backend.get("blobs")),
@@ -670,6 +834,15 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
             ("shoal_region_tracker_peers", g, "Peers the tracker knows, over all blobs.", swarm["peers"]),
             ("shoal_region_tracker_downloaders", g, "Peers downloading a blob whole (ranked).", swarm["downloading"]),
             ("shoal_region_tracker_announces_total", c, "Tracker announces.", swarm["announces"]),
+            ("shoal_region_tracker_ranked_torrents", g, "Blobs with ranked downloaders.", swarm["ranked_swarms"]),
+            ("shoal_region_tracker_evicted_total", c, "Swarms forgotten to keep the table bounded.",
+             swarm["swarms_evicted"]),
+            ("shoal_region_tracker_refused_total", c, "Announces and rank requests refused (bounds, unknown peer).",
+             swarm["refused"]),
+            ("shoal_region_swarm_unauthorized_total", c, "Swarm service calls without the node token.",
+             swarm["unauthorized"]),
+            ("shoal_region_peer_certs_total", c, "Peer certificates by outcome.",
+             [({"result": "issued"}, swarm["certs_issued"]), ({"result": "refused"}, swarm["certs_refused"])]),
             ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
             ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
         ]
@@ -713,6 +886,13 @@ def _write_at(fd: int, data: bytes, offset: int, hasher) -> None:
     hasher.update(data)
 
 
+def _hash_and_next(stream, hasher, data: bytes) -> bytes | None:
+    """In a worker thread: hash `data` (when hashing) and read the stream's next block."""
+    if hasher is not None:
+        hasher.update(data)
+    return next(stream, None)
+
+
 def _abort(request: web.Request) -> None:
     """Cut the connection: the client sees a short body, never a complete bad one."""
     if request.transport is not None:
@@ -739,13 +919,16 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(config: RegionConfig, backend: Backend, host: str, port: int) -> RunningServer:
-    """Start serving on host:port (0: any free port). The backend is closed on stop()."""
-    cache = RegionCache(config, backend)
+async def start_server(config: RegionConfig, backend: Backend, host: str, port: int, *, tls=None,
+                       node_token: str = "") -> RunningServer:
+    """Start serving on host:port (0: any free port), over HTTPS with `tls` (a
+    cache.region.tls.RegionTLS), else plain HTTP. The backend is closed on stop()."""
+    cache = RegionCache(config, backend, tls=tls, node_token=node_token)
     runner = web.AppRunner(cache.app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = web.TCPSite(runner, host, port, reuse_address=True,
+                           ssl_context=tls.server_context() if tls else None)
         await site.start()
     except BaseException:
         await runner.cleanup()

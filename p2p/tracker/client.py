@@ -1,4 +1,5 @@
-"""The node's client of the region's metadata service (server.py): a blob's torrent.
+"""The node's clients of the region's swarm service (server.py): a blob's torrent
+(MetadataClient), and the tracker relay libtorrent announces through (TrackerRelay).
 
 - One request per blob however many threads ask (the others wait for it); the answer is
   checked to name the blob (metainfo.parse_torrent) and kept on disk, so a node restart
@@ -7,37 +8,39 @@
   answer gives None, remembered for a back-off (1 s, doubling to 30 s, or the server's
   Retry-After), so a read never waits on a region that cannot answer.
 - The node's registry credentials for the blob's repository go along as Basic auth, as
-  for blob reads from the region: metadata of a private blob is as private as its bytes.
+  for blob reads from the region (and by the same rule: HTTPS only, see
+  cache.region.client.RegionLink): metadata of a private blob is as private as its
+  bytes. The region's node token goes along too (TOKEN_HEADER).
 """
 
 from __future__ import annotations
 
-import base64
+import http.server
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
-from urllib.parse import quote, urlparse
+from urllib.parse import quote
 
 import requests
 
-from builder.oci.auth import find_credentials
+from cache.region.client import RegionLink
 from cache.source import BlobRef
 from p2p import metainfo
-from p2p.tracker import PREFIX
+from p2p.tracker import PREFIX, TOKEN_HEADER
 from shoal.digest import hex_of
-from shoal.errors import FormatError, ShoalError
+from shoal.errors import FormatError
 
 log = logging.getLogger("shoal.swarm")
 
 
 class MetadataClient:
-    def __init__(self, url: str, cache_dir: str | os.PathLike, *, connect_timeout: float = 0.5,
+    def __init__(self, url: str | RegionLink, cache_dir: str | os.PathLike, *, connect_timeout: float = 0.5,
                  read_timeout: float = 10.0, min_retry: float = 1.0, max_retry: float = 30.0) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"metadata URL {url!r}: want http://HOST:PORT")
-        self.url = f"{parsed.scheme}://{parsed.netloc}{parsed.path.rstrip('/')}"
+        self.link = RegionLink.of(url)
+        self.url = self.link.url + self.link.path
         self.cache_dir = os.fspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
         self._timeouts = (connect_timeout, read_timeout)
@@ -46,7 +49,7 @@ class MetadataClient:
         self._inflight: dict[str, threading.Lock] = {}
         self._failed: dict[str, tuple[float, float]] = {}  # digest -> (retry at, back-off)
         self._local = threading.local()
-        self.stats = {"fetched": 0, "from_disk": 0, "missing": 0, "errors": 0}
+        self.stats = {"fetched": 0, "from_disk": 0, "missing": 0, "refused": 0, "errors": 0}
 
     def _path(self, digest: str) -> str:
         return os.path.join(self.cache_dir, hex_of(digest) + ".torrent")
@@ -87,8 +90,7 @@ class MetadataClient:
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = requests.Session()
-            session.trust_env = False  # the region is on the node's network
+            session = self._local.session = self.link.session()
         return session
 
     def _fail(self, digest: str, retry_after: float | None = None) -> None:
@@ -99,18 +101,20 @@ class MetadataClient:
                 backoff = min(self._max_retry, max(self._min_retry, retry_after))
             self._failed[digest] = (time.monotonic() + backoff, backoff)
 
+    def _request(self, route: str, blob: BlobRef) -> tuple[str, dict[str, str]]:
+        """URL and headers of a per-blob call: the node token, and the node's registry
+        credentials for the repository (the region checks them with the origin)."""
+        url = f"{self.url}{PREFIX}/v1/{route}/{blob.digest}?repo={quote(blob.repository, safe='')}" \
+              f"&ns={quote(blob.registry, safe='')}"
+        headers = {TOKEN_HEADER: self.link.token} if self.link.token else {}
+        authorization = self.link.authorization(blob.registry, blob.repository)
+        if authorization:
+            headers["Authorization"] = authorization
+        return url, headers
+
     def _fetch(self, blob: BlobRef):
         digest = blob.digest
-        url = f"{self.url}{PREFIX}/v1/torrents/{digest}?repo={quote(blob.repository, safe='')}" \
-              f"&ns={quote(blob.registry, safe='')}"
-        headers = {}
-        try:
-            creds = find_credentials(blob.registry, blob.repository)
-        except ShoalError:
-            creds = None
-        if creds is not None:
-            raw = f"{creds.username}:{creds.password}".encode()
-            headers["Authorization"] = "Basic " + base64.b64encode(raw).decode("ascii")
+        url, headers = self._request("torrents", blob)
         try:
             resp = self._session().get(url, headers=headers, timeout=self._timeouts)
         except requests.RequestException as exc:
@@ -122,6 +126,12 @@ class MetadataClient:
             self.stats["missing"] += 1
             retry = resp.headers.get("Retry-After", "")
             self._fail(digest, float(retry) if retry.isdigit() else None)
+            return None
+        if resp.status_code in (401, 403):
+            self.stats["refused"] += 1
+            log.warning("%s: torrent metadata refused by %s: HTTP %d %s", digest, self.url, resp.status_code,
+                        resp.text.strip()[:200])
+            self._fail(digest)
             return None
         if resp.status_code != 200:
             self.stats["errors"] += 1
@@ -144,6 +154,30 @@ class MetadataClient:
         self.stats["fetched"] += 1
         return meta, announce
 
+    def certificate(self, blob: BlobRef, public_key: bytes) -> tuple[bytes, float] | None:
+        """(PEM peer certificate, seconds valid) for the blob's SSL torrent, or None (the
+        region refused: this node's registry credentials do not cover the repository,
+        or the region cannot be asked); logged."""
+        url, headers = self._request("certs", blob)
+        try:
+            resp = self._session().post(url, data=public_key, headers=headers, timeout=self._timeouts)
+        except requests.RequestException as exc:
+            self.stats["errors"] += 1
+            log.info("%s: no peer certificate from %s: %s", blob.digest, self.url, type(exc).__name__)
+            return None
+        if resp.status_code != 200:
+            self.stats["refused" if resp.status_code in (401, 403) else "errors"] += 1
+            log.warning("%s: peer certificate refused by %s: HTTP %d %s", blob.digest, self.url,
+                        resp.status_code, resp.text.strip()[:200])
+            return None
+        try:
+            answer = resp.json()
+            return answer["cert"].encode("ascii"), float(answer["ttl"])
+        except (ValueError, KeyError, AttributeError, TypeError):
+            self.stats["errors"] += 1
+            log.error("%s: bad peer certificate answer from %s", blob.digest, self.url)
+            return None
+
     def forget(self, digest: str) -> None:
         """Drop the cached metadata (it proved wrong: the blob did not hash to its digest)."""
         try:
@@ -154,3 +188,107 @@ class MetadataClient:
 
     def statistics(self) -> dict:
         return dict(self.stats)
+
+
+class TrackerRelay:
+    """libtorrent's way to the region's tracker: a plain-HTTP server on the node's
+    loopback that forwards announce, scrape and rank calls to the region over the node's
+    RegionLink (HTTPS with the pinned CA, the node token), which libtorrent cannot do
+    itself (it has no per-session CA, and no way to add a header).
+
+    url_for(tracker) gives `http://BIND_IP:PORT/announce?relay=<secret>` for the
+    region's announce URL `tracker` (libtorrent's SSRF mitigation accepts a loopback
+    tracker only at /announce): the random secret is the capability (a local process
+    that does not know it gets 404), so the relay lends the node token to no one but
+    this process's session. The region sees the relay's connection, i.e. this node's
+    address, as the peer's address, as it would libtorrent's own.
+    """
+
+    def __init__(self, link: RegionLink, bind_ip: str = "127.0.0.1", source_ip: str = "",
+                 timeout: float = 10.0) -> None:
+        """bind_ip: where the relay listens: libtorrent's listen address (it binds its
+        outgoing connections there, so a relay on 127.0.0.1 would be out of its reach
+        when it listens on the node's address); source_ip: the address the relay
+        connects to the region from (the address peers reach this node at); "" = the
+        route's."""
+        self.link = link
+        self._source_ip = source_ip
+        self.host = bind_ip
+        # secret -> the region's tracker base (without /announce); written by the swarm's owner
+        # thread (url_for), read by the relay's threads: single dict operations only
+        self._routes: dict[str, str] = {}
+        self._local = threading.local()
+        self._timeout = timeout
+        relay = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # http.server's name
+                relay._handle(self)
+
+            def log_message(self, format: str, *args) -> None:
+                log.debug("tracker relay: " + format, *args)
+
+        family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET
+
+        class Server(http.server.ThreadingHTTPServer):
+            address_family = family
+
+        self._server = Server((bind_ip, 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tracker-relay", daemon=True)
+        self._thread.start()
+
+    def url_for(self, tracker: str) -> str:
+        """The relay's announce URL for the region's announce URL `tracker`."""
+        if not tracker.endswith("/announce"):
+            return tracker
+        base = tracker[: -len("/announce")]
+        secret = next((k for k, known in self._routes.items() if known == base), None)
+        if secret is None:
+            secret = secrets.token_hex(16)
+            self._routes[secret] = base
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/announce?relay={secret}"
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = self.link.session(self._source_ip)
+        return session
+
+    def _handle(self, req: http.server.BaseHTTPRequestHandler) -> None:
+        path, _, query = req.path.partition("?")
+        op = path.strip("/")
+        secret = ""
+        if query.startswith("relay="):  # ours comes first: libtorrent appends its parameters
+            secret, _, query = query[len("relay="):].partition("&")
+        base = self._routes.get(secret)
+        if base is None or op not in ("announce", "scrape", "rank"):
+            self._answer(req, 404, b"not found\n", "text/plain")
+            return
+        headers = {TOKEN_HEADER: self.link.token} if self.link.token else {}
+        try:
+            resp = self._session().get(f"{base}/{op}?{query}", headers=headers, timeout=(2.0, self._timeout))
+            body, status, ctype = resp.content, resp.status_code, resp.headers.get("Content-Type", "text/plain")
+        except requests.RequestException as exc:
+            log.info("tracker relay: %s %s: %s", op, base, type(exc).__name__)
+            body, status, ctype = f"region tracker unreachable: {type(exc).__name__}\n".encode(), 502, "text/plain"
+        if status == 401:
+            log.warning("tracker %s refuses this node: %s", base, body.decode("utf-8", "replace").strip()[:200])
+        self._answer(req, status, body, ctype)
+
+    @staticmethod
+    def _answer(req: http.server.BaseHTTPRequestHandler, status: int, body: bytes, ctype: str) -> None:
+        try:
+            req.send_response(status)
+            req.send_header("Content-Type", ctype)
+            req.send_header("Content-Length", str(len(body)))
+            req.end_headers()
+            req.wfile.write(body)
+        except OSError:
+            pass  # libtorrent hung up
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

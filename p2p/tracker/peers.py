@@ -20,6 +20,13 @@ Rules (HTTP announce, BEP 3):
   that nobody has yet, so the region serves it once however many nodes there are and
   however few of them any one node is connected to; and a node arriving or leaving
   moves only about 1/n of the parts to another owner.
+- Ranks belong to announced peers: rank() takes the address the request came from and
+  accepts a port only if that (ip, port) has announced the swarm, so a host ranks at most
+  the peers it announced. One address announces at most `max_ports_per_ip` ports per
+  swarm (several nodes behind one address are rare; a host inventing downloaders is not).
+- Bounded: at most `max_swarms` swarms (the least recently announced one is forgotten,
+  with its ranks and download count, to make room; counted as `swarms_evicted`), at most
+  `max_swarm` peers per swarm, `max_ports_per_ip` per address and swarm.
 - The table is soft state. After a tracker restart it is empty until the peers'
   next announces (at most one interval): connected peers keep their connections
   meanwhile, and nodes read from the region for what no connected peer has.
@@ -77,6 +84,8 @@ class PeerTable:
     peer_ttl: float | None = None
     max_answer: int = 100
     max_swarm: int = 100_000
+    max_swarms: int = 100_000
+    max_ports_per_ip: int = 8
     rng: random.Random = field(default_factory=random.Random)
 
     rank_ttl: float = 10.0
@@ -90,12 +99,23 @@ class PeerTable:
         self._ranks: dict[bytes, list[tuple[str, int]]] = {}  # info hash -> downloaders by rank
         self.announces = 0
         self.rank_requests = 0
+        self.refused = 0  # announces and rank requests refused by the bounds above
+        self.swarms_evicted = 0
 
-    def rank(self, info_hash: bytes, ip: str, port: int, now: float) -> tuple[int, int]:
-        """(rank, number) of this downloader among those of the swarm (see the module doc)."""
+    def rank(self, info_hash: bytes, ip: str, port: int | None, now: float) -> tuple[int, int]:
+        """(rank, number) of this downloader among those of the swarm (see the module doc).
+        ValueError when (ip, port) has not announced the swarm; `port` may be None when
+        the address announced one port only."""
         if len(info_hash) != 20:
             raise ValueError("info_hash must be 20 bytes")
         self.rank_requests += 1
+        swarm = self._swarms.get(info_hash) or {}
+        ports = [k[1] for k in swarm if k[0] == ip]
+        if port is None and len(ports) == 1:
+            port = ports[0]
+        if port not in ports:
+            self.refused += 1
+            raise ValueError(f"{ip}:{port if port is not None else '?'} has not announced this torrent")
         key = (ip, port)
         bulk = self._bulk.setdefault(info_hash, {})
         ranks = self._ranks.setdefault(info_hash, [])
@@ -142,18 +162,36 @@ class PeerTable:
                     del self._swarms[info_hash]
             return Answer([], *self._counts(swarm or {}))
         if swarm is None:
+            if len(self._swarms) >= self.max_swarms:
+                self._evict_swarm()
             swarm = self._swarms[info_hash] = {}
+        else:  # most recently announced last: eviction takes the first
+            self._swarms[info_hash] = self._swarms.pop(info_hash)
+        if key not in swarm and sum(1 for k in swarm if k[0] == ip) >= self.max_ports_per_ip:
+            self.refused += 1
+            raise ValueError(f"{ip} announces more than {self.max_ports_per_ip} ports for this torrent")
         if key not in swarm and len(swarm) >= self.max_swarm:
             self._expire_swarm(swarm, now)
         if key in swarm or len(swarm) < self.max_swarm:
             swarm[key] = Peer(ip, port, max(left, 0), now)
         if event == "completed":
-            self._downloads[info_hash] = self._downloads.get(info_hash, 0) + 1
+            self._downloads[info_hash] = self._downloads.pop(info_hash, 0) + 1
+            while len(self._downloads) > self.max_swarms:
+                del self._downloads[next(iter(self._downloads))]
         want = max(0, min(numwant, self.max_answer))
         limit = now - self.peer_ttl
         others = [p for k, p in swarm.items() if k != key and p.seen >= limit and not (left == 0 and p.left == 0)]
         chosen = others if len(others) <= want else self.rng.sample(others, want)
         return Answer([(p.ip, p.port) for p in chosen], *self._counts(swarm))
+
+    def _evict_swarm(self) -> None:
+        """Forget the least recently announced swarm, with its ranks and download count."""
+        info_hash = next(iter(self._swarms))
+        del self._swarms[info_hash]
+        self._bulk.pop(info_hash, None)
+        self._ranks.pop(info_hash, None)
+        self._downloads.pop(info_hash, None)
+        self.swarms_evicted += 1
 
     @staticmethod
     def _counts(swarm: dict) -> tuple[int, int]:
@@ -176,6 +214,10 @@ class PeerTable:
             if not swarm:
                 del self._swarms[info_hash]
         for info_hash in list(self._bulk):
+            if info_hash not in self._swarms:  # its peers are gone: so are its ranks
+                self._bulk.pop(info_hash, None)
+                self._ranks.pop(info_hash, None)
+                continue
             for k in [k for k, seen in self._bulk[info_hash].items() if seen < now - self.rank_ttl]:
                 self._drop(info_hash, k)
         return gone
@@ -192,4 +234,8 @@ class PeerTable:
             "announces": self.announces,
             "downloading": sum(len(b) for b in self._bulk.values()),
             "rank_requests": self.rank_requests,
+            "refused": self.refused,
+            "swarms_evicted": self.swarms_evicted,
+            "ranked_swarms": len(self._ranks),
+            "download_counts": len(self._downloads),
         }

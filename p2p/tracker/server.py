@@ -17,11 +17,20 @@ Routes (relative to the mount point):
   address its request came from (an `ip` parameter is ignored unless trust_ip_param),
   so one node cannot point a swarm at someone else.
 - `GET /v1/scrape?info_hash=...`: BEP 48 counts.
-- `GET /v1/rank?info_hash=...&port=P`: JSON {"rank", "of", "ttl"}: this downloader's
+- `GET /v1/rank?info_hash=...[&port=P]`: JSON {"rank", "of", "ttl"}: this downloader's
   rank among the nodes downloading the blob whole (see peers.py); asked again within
   `ttl` seconds to stay counted. Lets nodes split the first fetch of a blob from the
-  region without seeing each other.
+  region without seeing each other. The address is the request's; the port must be one
+  that address announced for the torrent (400 otherwise), so ranks count real peers.
+- `POST /v1/certs/<digest>?repo=NAME&ns=REGISTRY` (body: a PEM public key): a peer
+  certificate for the blob's SSL torrent, signed by the region's swarm CA, named for the
+  torrent, valid `ttl` seconds: only for a client the origin lets read the repository
+  (authorize, as for metadata). JSON {"cert", "ttl"}.
 - `GET /v1/status`: JSON counters (swarms, peers, announces, torrents made/served).
+
+Every route needs the region's node token (header TOKEN_HEADER) when one is set:
+401 without it. The token says "a node of this region", nothing about repositories:
+metadata is also checked against the origin per client (authorize).
 
 The tracker's table is soft state (p2p/tracker/peers.py): a restart empties it and
 it refills within one announce interval; nodes never depend on it to read.
@@ -31,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -44,7 +55,7 @@ from urllib.parse import unquote_to_bytes
 from aiohttp import web
 
 from p2p import bencode, metainfo
-from p2p.tracker import PREFIX
+from p2p.tracker import PREFIX, TOKEN_HEADER
 from p2p.tracker.peers import PeerTable
 from shoal.digest import hex_of, is_digest
 from shoal.errors import DigestMismatch, ShoalError
@@ -77,16 +88,20 @@ class TorrentSource(Protocol):
 class TorrentCache:
     """Info dicts on disk (`<folder>/<hex>.info`), each made once however many ask."""
 
-    def __init__(self, folder: str | os.PathLike, piece_size: int | None = None, threads: int = 2) -> None:
+    def __init__(self, folder: str | os.PathLike, piece_size: int | None = None, threads: int = 2,
+                 ssl_cert: bytes = b"") -> None:
         self.folder = os.fspath(folder)
         os.makedirs(self.folder, exist_ok=True)
         self.piece_size = piece_size
+        self.ssl_cert = ssl_cert  # made into every info dict: SSL torrents (metainfo)
+        # info dicts made under another swarm CA (or none) are not this region's: other names
+        self._suffix = f".{hashlib.sha256(ssl_cert).hexdigest()[:12]}.info" if ssl_cert else ".info"
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torrent-make")
         self._making: dict[str, asyncio.Future] = {}
         self.stats = {"made": 0, "cached": 0, "failed": 0}
 
     def path(self, digest: str) -> str:
-        return os.path.join(self.folder, hex_of(digest) + ".info")
+        return os.path.join(self.folder, hex_of(digest) + self._suffix)
 
     def load(self, digest: str) -> bytes | None:
         try:
@@ -137,8 +152,8 @@ class FileTorrents:
     while the torrent is made, so a damaged file yields no metadata.)"""
 
     def __init__(self, folder: str | os.PathLike, blob_path: Callable[[str], str | None],
-                 piece_size: int | None = None) -> None:
-        self.cache = TorrentCache(folder, piece_size)
+                 piece_size: int | None = None, ssl_cert: bytes = b"") -> None:
+        self.cache = TorrentCache(folder, piece_size, ssl_cert=ssl_cert)
         self._blob_path = blob_path
 
     async def info(self, digest: str, request: web.Request) -> bytes | None:
@@ -149,7 +164,7 @@ class FileTorrents:
 
         def make() -> bytes:
             with open(path, "rb") as fh:
-                return metainfo.make_info(fh, os.fstat(fh.fileno()).st_size, digest, piece)
+                return metainfo.make_info(fh, os.fstat(fh.fileno()).st_size, digest, piece, self.cache.ssl_cert)
 
         return await self.cache.get(digest, make)
 
@@ -168,8 +183,9 @@ class BackendTorrents:
     answer is 404 with Retry-After."""
 
     def __init__(self, folder: str | os.PathLike, backend, piece_size: int | None = None,
-                 fill: Callable[[str, web.Request], Awaitable[object]] | None = None, retry_after: int = 2) -> None:
-        self.cache = TorrentCache(folder, piece_size)
+                 fill: Callable[[str, web.Request], Awaitable[object]] | None = None, retry_after: int = 2,
+                 ssl_cert: bytes = b"") -> None:
+        self.cache = TorrentCache(folder, piece_size, ssl_cert=ssl_cert)
         self.backend = backend
         self._fill = fill
         self._fills: dict[str, asyncio.Task] = {}
@@ -199,7 +215,7 @@ class BackendTorrents:
             close = getattr(stream, "close", None)
             if close:
                 close()
-        return builder.finish(digest)[1]
+        return builder.finish(digest, self.cache.ssl_cert)[1]
 
     def statistics(self) -> dict:
         return {**self.cache.stats, "fills_running": len(self._fills)}
@@ -244,13 +260,15 @@ class SwarmService:
     """The handlers; make_app() wires them into an application."""
 
     def __init__(self, torrents: TorrentSource | None, table: PeerTable, announce_url: str | None,
-                 trust_ip_param: bool, authorize: Authorize | None = None) -> None:
+                 trust_ip_param: bool, authorize: Authorize | None = None, peer_ca=None) -> None:
         self.torrents = torrents
+        self.peer_ca = peer_ca
         self.authorize = authorize
         self.table = table
         self.announce_url = announce_url
         self.trust_ip_param = trust_ip_param
-        self.stats = {"torrents_served": 0, "torrents_missing": 0, "announce_failures": 0}
+        self.stats = {"torrents_served": 0, "torrents_missing": 0, "announce_failures": 0, "unauthorized": 0,
+                      "certs_issued": 0, "certs_refused": 0}
 
     def announce_url_for(self, request: web.Request) -> str:
         if self.announce_url:
@@ -279,6 +297,30 @@ class SwarmService:
         self.stats["torrents_served"] += 1
         return web.Response(body=metainfo.torrent_file(info, self.announce_url_for(request)),
                             content_type=TORRENT_TYPE)
+
+    async def certificate(self, request: web.Request) -> web.Response:
+        """POST /v1/certs/<digest>?repo=NAME&ns=REGISTRY, body: the node's peer public key
+        (PEM). A peer certificate for the blob's SSL torrent, only for a client the origin
+        lets read the repository (the same check as metadata: authorize)."""
+        digest = request.match_info["digest"]
+        if not is_digest(digest):
+            raise web.HTTPBadRequest(text=f"malformed digest {digest[:80]!r}\n")
+        if self.peer_ca is None:
+            raise web.HTTPNotFound(text="this region's torrents are not SSL torrents\n")
+        try:
+            if self.authorize is not None:
+                await self.authorize(digest, request)
+        except web.HTTPException:
+            self.stats["certs_refused"] += 1
+            raise
+        body = await request.read()
+        try:
+            cert, ttl = self.peer_ca.issue(body, metainfo.blob_name(digest), request.remote or "")
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"not a PEM public key: {exc}\n") from None
+        self.stats["certs_issued"] += 1
+        log.info("peer certificate for %s issued to %s (%s)", digest, request.remote, request.query.get("repo", ""))
+        return web.json_response({"cert": cert.decode("ascii"), "ttl": ttl})
 
     def _peer_ip(self, request: web.Request, q: dict[str, bytes]) -> str:
         if self.trust_ip_param and q.get("ip"):
@@ -326,7 +368,7 @@ class SwarmService:
         q = parse_query(request.query_string)
         try:
             info_hash = q.get("info_hash", b"")
-            port = _int_param(q, "port")
+            port = _int_param(q, "port") if "port" in q else None  # a hint: must be an announced one
             rank, of = self.table.rank(info_hash, self._peer_ip(request, q), port, time.monotonic())
         except ValueError as exc:
             raise web.HTTPBadRequest(text=f"{exc}\n") from None
@@ -354,8 +396,12 @@ class SwarmService:
 
 def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,
              announce_url: str | None = None, trust_ip_param: bool = False,
-             authorize: Authorize | None = None) -> web.Application:
+             authorize: Authorize | None = None, node_token: str = "", peer_ca=None) -> web.Application:
     """The swarm service as an application to mount at PREFIX (see the module doc).
+
+    node_token: the secret every request must carry in TOKEN_HEADER ("" = none asked).
+    peer_ca: the swarm CA (cache.region.tls.PeerCA) behind POST /v1/certs/<digest>; the
+    torrents must then carry its certificate (their ssl_cert).
 
     announce_url: the tracker URL put in served torrents; default: this service's
     announce route as the requesting client addressed it.
@@ -363,10 +409,21 @@ def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = No
     web.HTTPException (401/403) for a client that may not read the blob -- the region
     passes its own access check (request.query "repo" and "ns" name the repository).
     """
-    service = SwarmService(torrents, table or PeerTable(), announce_url, trust_ip_param, authorize)
-    app = web.Application()
+    service = SwarmService(torrents, table or PeerTable(), announce_url, trust_ip_param, authorize, peer_ca)
+    expected = node_token.encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler):
+        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
+            service.stats["unauthorized"] += 1
+            raise web.HTTPUnauthorized(text="the region's swarm service needs its node token "
+                                            "([fetch] region_token_file on the node)\n")
+        return await handler(request)
+
+    app = web.Application(middlewares=[require_token])
     app[SERVICE_KEY] = service
     app.router.add_get("/v1/torrents/{digest}", service.torrent)
+    app.router.add_post("/v1/certs/{digest}", service.certificate)
     app.router.add_get("/v1/announce", service.announce)
     app.router.add_get("/v1/scrape", service.scrape)
     app.router.add_get("/v1/rank", service.rank)
