@@ -49,16 +49,20 @@ def _sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _config(src, manifest: dict) -> bytes:
+    return src.read_small_blob(manifest["config"]["digest"], manifest["config"]["size"], "config")
+
+
 def forge(src: str, dst: str, diff_ids_of: str, workdir: Path) -> None:
     """Push `src` again as `dst` (same repository, so the same blobs) with a config whose
     last diff_id is the one `diff_ids_of`'s config names: the attacker's lie."""
     with open_source(f"docker://{diff_ids_of}", plain_http=True) as s:
         doc = json.loads(s.get_root().data)
-        claimed = json.loads(s.read_blob(doc["config"]["digest"]))["rootfs"]["diff_ids"]
+        claimed = json.loads(_config(s, doc))["rootfs"]["diff_ids"]
     with open_source(f"docker://{src}", plain_http=True) as s:
         root = s.get_root()
         doc = json.loads(root.data)
-        config = json.loads(s.read_blob(doc["config"]["digest"]))
+        config = json.loads(_config(s, doc))
     config["rootfs"]["diff_ids"][-1] = claimed[-1]
     data = json.dumps(config).encode()
     path = workdir / f"config-{_sha256(data)[7:]}"
@@ -110,7 +114,7 @@ def _chains(ref: str) -> list[str]:
 
     with open_source(f"docker://{ref}", plain_http=True) as s:
         doc = json.loads(s.get_root().data)
-        return chain_ids(json.loads(s.read_blob(doc["config"]["digest"]))["rootfs"]["diff_ids"])
+        return chain_ids(json.loads(_config(s, doc))["rootfs"]["diff_ids"])
 
 
 @pytest.fixture
