@@ -50,6 +50,9 @@ class DataPath:
 
     loader: Callable[[BlobRef, str], NodeChunkLoader]  # (blob, layer name) -> loader
     statistics: Callable[[], dict]
+    # (blob, ranges) -> their bytes, unverified, through the whole fetch chain (a layer's
+    # proof reads the whole blob this way and checks its digest itself)
+    read_ranges: Callable[[BlobRef, list[tuple[int, int]]], list[bytes]]
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
 
 
@@ -74,4 +77,4 @@ def make_data_path(root: str, config: dict) -> DataPath:
             log.warning("stopping with chunks not yet in the chunk store (they will be fetched again)")
         chain.close()
 
-    return DataPath(loader, statistics, close)
+    return DataPath(loader, statistics, chain.read_ranges, close)

@@ -31,11 +31,43 @@ def node_status(root: str) -> dict:
         status["lazy_layers"] = reply.get("layers", [])
         status["data_path"] = reply.get("store", {})
         status["prefetch"] = reply.get("prefetch", {})
+    status["chains"] = remote_chains(root)
+    for ly in status["lazy_layers"]:
+        ly["proof"] = layer_proof(ly, status["chains"])
     unpacked = os.path.join(root, "unpacked")
     if os.path.isdir(unpacked):
         status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
     status["fetch"] = fetch_figures(status.get("data_path") or {})
     return status
+
+
+def remote_chains(root: str) -> list[dict]:
+    """Every remote snapshot (a chain id the node provided) and its proof state."""
+    from snapshotter.chainproof import (
+        LABEL_CRI_IMAGE_REF,
+        LABEL_IMAGE_REF,
+        chain_id_of,
+        proof_of,
+    )
+    from snapshotter.metadata import read_remote_records
+    from snapshotter.snapshotter import LABEL_DIFF_ID, LABEL_LAYER_DIGEST, LABEL_PROOF
+
+    return [{
+        "chain": chain_id_of(rec), "parent": rec.parent, "kind": rec.layer_kind,
+        "layer": rec.labels.get(LABEL_LAYER_DIGEST, ""),
+        "image": rec.labels.get(LABEL_IMAGE_REF) or rec.labels.get(LABEL_CRI_IMAGE_REF, ""),
+        "proof": proof_of(rec) or rec.labels.get(LABEL_PROOF, ""),
+        "diff_id": rec.labels.get(LABEL_DIFF_ID, ""),
+    } for rec in read_remote_records(os.path.join(root, "metadata.db"))]
+
+
+def layer_proof(layer: dict, chains: list[dict]) -> str:
+    """A lazy layer's proof: bad if refused or any chain made from it is bad, proven if
+    every chain made from it is, else pending."""
+    states = {c["proof"] for c in chains if c["layer"] == layer["digest"]}
+    if layer.get("proof") == "bad" or "bad" in states:
+        return "bad"
+    return "proven" if states == {"proven"} else "pending"
 
 
 def fetch_figures(data_path: dict) -> dict:
@@ -85,6 +117,8 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_swarm_peers_banned_total", counter, "Peers banned for bad pieces.", swarm.get("peers_banned")),
         ("shoal_node_layers", gauge, "Layers provided by the node, by kind.",
          [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
+        ("shoal_node_chains", gauge, "Chain ids the node provided, by proof state (lazy layers: pending|proven|bad).",
+         [({"proof": p}, sum(c["proof"] == p for c in s.get("chains", []))) for p in ("pending", "proven", "bad")]),
         ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
     ])
 
@@ -96,7 +130,7 @@ def format_status(s: dict) -> str:
     lines.append(f"  lazy layers: {len(s['lazy_layers'])}")
     for ly in s["lazy_layers"]:
         lines.append(
-            f"    {ly['digest']}  {ly['image']}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
+            f"    {ly['digest']}  {ly['image']}  {ly.get('proof', 'pending')}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
             f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B;"
             f" {ly.get('prefetched_chunks', 0)} by prefetch)  errors {ly['errors']}"
             f"  waited {ly.get('fetch_seconds', 0):.2f}s on sources, {ly.get('decode_seconds', 0):.2f}s decoding"
@@ -105,6 +139,9 @@ def format_status(s: dict) -> str:
     if pf.get("queued_chunks"):
         lines.append(f"  prefetch (access profiles): {pf['queued_chunks']} chunks queued,"
                      f" {pf.get('jobs_pending', 0)} jobs pending, {pf.get('layers_waiting', 0)} layers not loaded yet")
+    for c in s.get("chains", []):
+        if c["proof"] == "bad":
+            lines.append(f"    BAD chain {c['chain']}: layer {c['layer']} of {c['image']} holds diff_id {c['diff_id']}")
     lines.append(f"  unpacked layers: {len(s['unpacked_layers'])}")
     for d in s["unpacked_layers"]:
         lines.append(f"    {d}")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
+from snapshotter.chainproof import ChainProofs, ProofConfig, chain_id_of
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     LABEL_LAYER_KIND,
@@ -102,22 +103,13 @@ def disk_usage(path: str | Path) -> Usage:
     return Usage(size=size, inodes=len(seen))
 
 
-def chain_id_of(rec: Record) -> str:
-    """The chain id a committed snapshot stands for, from its record alone: a remote
-    layer is committed under its chain id (the target it was provided, and checked,
-    for); a layer containerd applied itself is committed by its unpacker under the
-    backend name NAMESPACE/SEQ/CHAINID (metadata/snapshot.go createKey), after
-    containerd checked its diff_id. (A snapshot committed under another name, a
-    container's, yields a name no layer's chain id is made from: a remote layer on top
-    of it fails its check instead of being taken for some other chain.)"""
-    return rec.key if rec.remote else rec.key.split("/", 2)[-1]
-
 
 class LocalSnapshotter:
     """containerd's overlay snapshotter in Python, with remote layers plugged in through
     `remote` (see snapshotter.RemoteLayers). Implements snapshotter.Snapshotter."""
 
-    def __init__(self, root: str | Path, remote: RemoteLayers | None = None) -> None:
+    def __init__(self, root: str | Path, remote: RemoteLayers | None = None,
+                 proofs: ProofConfig | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         check_mountable_path(str(self.root), "snapshotter root")
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -130,6 +122,9 @@ class LocalSnapshotter:
         self._index_off = os.path.exists("/sys/module/overlay/parameters/index")
         self._targets_guard = threading.Lock()
         self._targets: dict[str, list] = {}  # target -> [lock, users]
+        # The proofs of lazy layers and the gate before containers (chainproof.py); none
+        # without a remote layer provider or a proof configuration.
+        self.proofs = ChainProofs(self._db, remote, proofs, self.remove) if remote and proofs else None
 
     # --- start-up
 
@@ -155,6 +150,8 @@ class LocalSnapshotter:
                 log.info("restored %s layer %s at %s", rec.layer_kind, rec.key, rec.layer_path)
             except Exception as e:  # noqa: BLE001 (one bad layer must not keep the node from serving the rest)
                 log.error("cannot restore %s layer %s at %s: %s", rec.layer_kind, rec.key, rec.layer_path, e)
+        if self.proofs is not None:
+            self.proofs.start(remote)
 
     # --- reads
 
@@ -199,6 +196,16 @@ class LocalSnapshotter:
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
         return self._create(Kind.VIEW, key, parent, dict(labels or {}))
 
+    def _gate(self, key: str, parent: str, labels: dict[str, str]) -> None:
+        """Before an active snapshot or view is made on `parent`: its chain's lazy layers
+        must be what their chain ids say, as far as any image here can tell (chainproof.py)."""
+        if self.proofs is None or not parent:
+            return
+        with self._db.read() as tx:
+            parent_rec = tx.find(parent)
+            chain = [parent_rec, *tx.chain(parent_rec)] if parent_rec is not None else []
+        self.proofs.gate(key, chain, labels)  # may wait for a proof: no lock held
+
     def commit(self, name: str, key: str, labels: dict[str, str] | None = None) -> None:
         with self._db.read() as tx:
             if tx.find(name) is not None:
@@ -219,9 +226,11 @@ class LocalSnapshotter:
         with self._db.write() as tx:
             return tx.update(info.name, dict(info.labels), list(fieldpaths)).info()
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: str, expect_id: int | None = None) -> None:
+        """Snapshotter.remove; with `expect_id`, only while `key` is still that snapshot
+        (NotFound else): a removal decided earlier never takes one made since."""
         with self._db.write() as tx:
-            rec = tx.remove(key)
+            rec = tx.remove(key, expect_id)
             # One layer (one blob) can stand in several chains: release it with the last.
             shared = rec.remote and any(r.layer_path == rec.layer_path for r in tx.all())
         # The row is gone for good; what follows only frees resources, and what it fails
@@ -231,6 +240,8 @@ class LocalSnapshotter:
                 self._release(rec)
         else:
             self._remove_dir(self._dir(rec.id))
+        if self.proofs is not None:
+            self.proofs.removed(rec.parent)
 
     def cleanup(self) -> None:
         with self._db.write() as tx:  # no directory is being created while we list
@@ -252,6 +263,8 @@ class LocalSnapshotter:
             self._remove_dir(path)
 
     def close(self) -> None:
+        if self.proofs is not None:
+            self.proofs.stop()
         self._db.close()
 
     # --- internals
@@ -278,6 +291,7 @@ class LocalSnapshotter:
         return [Mount("overlay", "overlay", tuple(options))]
 
     def _create(self, kind: Kind, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        self._gate(key, parent, labels)
         owner = None
         if parent:
             # The new fs takes the owner of the parent's top directory (as containerd's
@@ -341,8 +355,11 @@ class LocalSnapshotter:
             if existing is not None:
                 if (existing.kind == Kind.COMMITTED and existing.parent == parent
                         and existing.labels.get(LABEL_SNAPSHOT_REF) == target):
-                    raise AlreadyExists(f"target snapshot {target!r} already exists")
-                return
+                    # may wait for a proof; False: it was bad and is gone, provide it anew
+                    if self.proofs is None or self.proofs.check_existing(existing, labels):
+                        raise AlreadyExists(f"target snapshot {target!r} already exists")
+                else:
+                    return
             asked = {k: v for k, v in labels.items() if k not in NODE_LABELS}
             layer = self._remote.prepare(target, parent_chain, dict(asked))
             if layer is None:
@@ -352,11 +369,18 @@ class LocalSnapshotter:
                 if layer.kind not in LAYER_KINDS:
                     raise ShoalError(f"remote layer {target}: unknown kind {layer.kind!r} (expected lazy or unpacked)")
                 recorded = {**asked, **layer.info_labels, LABEL_LAYER_KIND: layer.kind}
+                if self.proofs is not None:
+                    recorded.update(self.proofs.labels_for(target, parent_chain, layer, asked))
                 with self._db.write() as tx:
                     tx.create_committed(target, parent, recorded, layer.usage or Usage(), layer.path, layer.kind)
             except BaseException:
-                self._release_layer(layer, target)
+                with self._db.read() as tx:
+                    shared = any(r.layer_path == layer.path for r in tx.all())
+                if not shared:  # another chain made from the same blob still serves from it
+                    self._release_layer(layer, target)
                 raise
+            if self.proofs is not None:
+                self.proofs.provided(layer, recorded)
         log.info("layer %s: %s, served from %s", target, layer.kind, layer.path)
         raise AlreadyExists(f"target snapshot {target!r} provided as a {layer.kind} layer")
 

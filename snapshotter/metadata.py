@@ -21,6 +21,7 @@ Thread-safe: one connection, one lock; every operation is a short transaction.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -57,6 +58,11 @@ CREATE TABLE IF NOT EXISTS snapshots (
     layer_kind TEXT                           -- remote layers: "lazy" | "unpacked"
 );
 CREATE INDEX IF NOT EXISTS snapshots_parent ON snapshots(parent_id);
+CREATE TABLE IF NOT EXISTS proofs (          -- what a layer blob was proven to hold (chainproof.py)
+    digest     TEXT PRIMARY KEY,              -- the blob digest
+    diff_id    TEXT NOT NULL,                 -- sha256 of its decompressed stream
+    proven_ns  INTEGER NOT NULL
+);
 """
 
 _COLUMNS = (
@@ -152,6 +158,11 @@ class Tx:
 
     def ids(self) -> set[int]:
         return {row[0] for row in self._conn.execute("SELECT id FROM snapshots")}
+
+    def proof(self, digest: str) -> str | None:
+        """The diff_id blob `digest` was proven to decompress to, None if not known."""
+        row = self._conn.execute("SELECT diff_id FROM proofs WHERE digest = ?", (digest,)).fetchone()
+        return row[0] if row else None
 
     def has_children(self, rec: Record) -> bool:
         return self._conn.execute(
@@ -249,8 +260,15 @@ class Tx:
         )
         return self._by_id(rec.id)
 
-    def remove(self, key: str) -> Record:
+    def record_proof(self, digest: str, diff_id: str) -> None:
+        """A blob's content is a fact: the first proof stays (a second one computes the same)."""
+        self._conn.execute("INSERT OR IGNORE INTO proofs (digest, diff_id, proven_ns) VALUES (?, ?, ?)",
+                           (digest, diff_id, now_ns()))
+
+    def remove(self, key: str, expect_id: int | None = None) -> Record:
         rec = self.get(key)
+        if expect_id is not None and rec.id != expect_id:
+            raise NotFound(f"snapshot {key!r} was replaced")
         if self.has_children(rec):
             raise FailedPrecondition(f"cannot remove snapshot {key!r}: other snapshots use it as their parent")
         self._conn.execute("DELETE FROM snapshots WHERE id = ?", (rec.id,))
@@ -258,6 +276,22 @@ class Tx:
 
     def _by_id(self, snapshot_id: int) -> Record:
         return _record(self._conn.execute(f"{_SELECT} WHERE s.id = ?", (snapshot_id,)).fetchone())
+
+
+def read_remote_records(path: Path | str) -> list[Record]:
+    """The remote snapshots in a node's metadata file, read-only from another process
+    (`shoal status`); [] when there is no file."""
+    if not os.path.exists(path):
+        return []
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = conn.execute(f"{_SELECT} WHERE s.layer_path IS NOT NULL ORDER BY s.id").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise ShoalError(f"{path}: cannot read the snapshot metadata: {e}") from None
+    return [_record(row) for row in rows]
 
 
 class MetaStore:

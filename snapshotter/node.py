@@ -32,6 +32,7 @@ from shoal.config import (
     url_check,
 )
 from shoal.errors import ShoalError
+from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
 
 log = logging.getLogger("shoal.node")
@@ -72,6 +73,19 @@ class FetchConfig:
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
     # compressed bytes one image's profile may make the node fetch (the first ones in its order)
     prefetch_max_bytes: int = field(default=8 << 30, metadata=limits(min=0, size=True))
+    prove_lazy: bool = True  # read each lazy layer's whole blob in the background and check its diff_id (chainproof.py); false: chain ids are trusted
+    # seconds from a lazy layer's prepare to the start of its background proof
+    prove_after: float = field(default=30.0, metadata=limits(min=0, max=30 * 86400))
+    # seconds a container's prepare waits for a proof it needs (a chain another image names with another blob)
+    prove_timeout: float = field(default=600.0, metadata=limits(min=1, max=86400))
+
+
+@dataclass
+class ContainerdConfig:
+    """[containerd]: the containerd this node serves (the proofs ask it which images name a chain)."""
+
+    address: str = DEFAULT_CONTAINERD_ADDRESS
+    snapshotter: str = "shoal"  # this node's name in containerd's [proxy_plugins]
 
 
 @dataclass
@@ -97,6 +111,13 @@ class NodeConfig:
     # when the node starts; `enabled = true` turns it on).
     swarm: dict = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
+
+    def proofs(self):
+        from snapshotter.chainproof import ProofConfig
+
+        return ProofConfig(self.fetch.prove_lazy, self.fetch.prove_after, self.fetch.prove_timeout,
+                           self.containerd.address, self.containerd.snapshotter)
 
 
 def load_config(path: str | Path | None) -> NodeConfig:
@@ -143,7 +164,7 @@ class Node:
             # whoever made the directory first (the layer fs, an installer, an admin).
             os.chmod(self.root, 0o700)
             self._lock_root()
-            self.snapshotter = LocalSnapshotter(self.root, remote=self.remote)
+            self.snapshotter = LocalSnapshotter(self.root, remote=self.remote, proofs=self.config.proofs())
             self.snapshotter.recover()
             if self.remote is not None and hasattr(self.remote, "start"):
                 self.remote.start()

@@ -14,6 +14,7 @@ Everything happens under a lease so containerd's GC cannot remove half a pull.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -32,12 +33,16 @@ from builder.zstdchunked import (
 )
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
-from shoal.digest import chain_id
+from shoal.digest import chain_id, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
+from snapshotter.chainproof import LABEL_GATE
+from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN
 
 log = logging.getLogger("shoal.pull")
+
+BAD_REMOVAL_WAIT = 10.0  # seconds a pull waits for the node to remove a bad chain it found
 
 
 def chain_ids(diff_ids: list[str]) -> list[str]:
@@ -92,14 +97,24 @@ class _Containerd:
         except self.grpc.RpcError as e:
             raise _RpcFailure(e.code(), f"{what}: {e.details()}", e.details() or "") from None
 
-    def create_lease(self) -> None:
+    def create_lease(self, seconds: float = 3600.0, prefix: str = "shoal-pull") -> None:
+        """A lease for what follows (expiring after `seconds`), made this client's lease."""
         pb = self.pb
-        lease_id = f"shoal-pull-{secrets.token_hex(6)}"
-        expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+        lease_id = f"{prefix}-{secrets.token_hex(6)}"
+        expire = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + seconds))
         req = pb.leases.CreateRequest(id=lease_id)
         pb.labels_to_pb(req.labels, {"containerd.io/gc.expire": expire})
         self.call(pb.leases_grpc.LeasesStub, "Create", req, "create lease")
         self.lease = lease_id
+
+    def lease_snapshot(self, snapshotter: str, key: str) -> None:
+        """Hold an existing snapshot under the pull's lease: a garbage collection during
+        the pull (say, after the node removed a bad chain above it) must not take it."""
+        if self.lease:
+            pb = self.pb
+            req = pb.leases.AddResourceRequest(id=self.lease, resource=pb.leases.Resource(
+                id=key, type=f"snapshots/{snapshotter}"))
+            self.call(pb.leases_grpc.LeasesStub, "AddResource", req, f"lease {key}")
 
     def delete_lease(self) -> None:
         if self.lease:
@@ -133,16 +148,54 @@ class _Containerd:
             self.call(pb.content_grpc.ContentStub, "Update", pb.content.UpdateRequest(info=info, update_mask=mask),
                       f"content labels {digest}")
 
-    def snapshot_exists(self, snapshotter: str, key: str) -> bool:
+    def snapshot_labels(self, snapshotter: str, key: str) -> dict[str, str] | None:
+        """The labels of snapshot `key` as containerd's Stat shows them, None if it does not exist."""
         pb = self.pb
         try:
-            self.call(pb.snapshots_grpc.SnapshotsStub, "Stat",
-                      pb.snapshots.StatSnapshotRequest(snapshotter=snapshotter, key=key), "stat")
-            return True
+            info = self.call(pb.snapshots_grpc.SnapshotsStub, "Stat",
+                             pb.snapshots.StatSnapshotRequest(snapshotter=snapshotter, key=key), "stat").info
         except _RpcFailure as e:
             if e.code == self.grpc.StatusCode.NOT_FOUND:
-                return False
+                return None
             raise
+        return pb.labels_from_pb(info.labels)
+
+    def remove_snapshot(self, snapshotter: str, key: str) -> None:
+        self.call(self.pb.snapshots_grpc.SnapshotsStub, "Remove",
+                  self.pb.snapshots.RemoveSnapshotRequest(snapshotter=snapshotter, key=key), f"remove {key}")
+
+    def view(self, snapshotter: str, key: str, parent: str, labels: dict[str, str], what: str) -> None:
+        pb = self.pb
+        req = pb.snapshots.ViewSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent)
+        pb.labels_to_pb(req.labels, labels)
+        self.call(pb.snapshots_grpc.SnapshotsStub, "View", req, what)
+
+    def namespaces(self) -> list[str]:
+        pb = self.pb
+        reply = self.call(pb.namespaces_grpc.NamespacesStub, "List", pb.namespaces.ListNamespacesRequest(),
+                          "list namespaces")
+        return [n.name for n in reply.namespaces]
+
+    def images(self) -> list[tuple[str, str, str]]:
+        """(name, target media type, target digest) of every image in the namespace."""
+        pb = self.pb
+        reply = self.call(pb.images_grpc.ImagesStub, "List", pb.images.ListImagesRequest(), "list images")
+        return [(i.name, i.target.media_type, i.target.digest) for i in reply.images]
+
+    def read_content(self, digest: str) -> bytes | None:
+        """A blob of the content store (verified against its digest), None if absent."""
+        pb = self.pb
+        stub = pb.content_grpc.ContentStub(self.channel)
+        try:
+            data = b"".join(r.data for r in stub.Read(pb.content.ReadContentRequest(digest=digest),
+                                                         metadata=self._md(), timeout=60))
+        except self.grpc.RpcError as e:
+            if e.code() == self.grpc.StatusCode.NOT_FOUND:
+                return None
+            raise TransportError(f"containerd content {digest}: {e.details()}") from None
+        if sha256_digest(data) != digest:
+            raise FormatError(f"containerd content {digest}: its bytes do not match the digest")
+        return data
 
     def prepare_remote(self, snapshotter: str, parent: str, labels: dict[str, str], what: str) -> None:
         pb = self.pb
@@ -215,12 +268,49 @@ def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str, plain
     return labels
 
 
+def _check_present(ctr: _Containerd, snapshotter: str, name: str, layer: dict, chain: str,
+                   labels: dict[str, str], what: str) -> bool:
+    """A chain this image names exists already: it must hold what the chain id says
+    (snapshotter/chainproof.py). Bad: refused here. A lazy layer not proven yet, made
+    from another blob than this image names: the node proves it now, through a View
+    whose gate label names this image's claim (its image record does not exist yet).
+    True: use it; False: it proved bad and the node removed it (provide it anew)."""
+    if labels.get(LABEL_PROOF) == BAD:
+        raise ShoalError(f"{what}: chain {chain} on this node holds a bad lazy layer (layer "
+                         f"{labels.get(remote.LABEL_LAYER_DIGEST, '?')}: its content is diff_id "
+                         f"{labels.get(LABEL_DIFF_ID, '?')}); it is removed once no container uses it")
+    provided_from = labels.get(remote.LABEL_LAYER_DIGEST) or labels.get(remote.LABEL_CRI_LAYER_DIGEST)
+    lazy = labels.get(remote.LABEL_KIND) == "lazy"
+    if not lazy or labels.get(LABEL_PROOF) == PROVEN or provided_from in (None, layer["digest"]):
+        return True
+    log.info("%s: chain %s was provided from layer %s: waiting for its proof", what, chain, provided_from)
+    key = f"shoal-pull-gate-{secrets.token_hex(8)}"
+    gate = {LABEL_GATE: json.dumps({"image": name, "layers": {chain: layer["digest"]}})}
+    try:
+        ctr.view(snapshotter, key, chain, gate, what)
+    except _RpcFailure as e:
+        # a bad chain no container uses is removed by the node at once (in the background)
+        deadline = time.monotonic() + BAD_REMOVAL_WAIT
+        while time.monotonic() < deadline:
+            if ctr.snapshot_labels(snapshotter, chain) is None:
+                log.warning("%s: chain %s was bad, the node removed it: providing it from this image's layer",
+                            what, chain)
+                return False
+            time.sleep(0.2)
+        raise ShoalError(str(e)) from None
+    ctr.remove_snapshot(snapshotter, key)
+    return True
+
+
 def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_digest: str, layers: list[dict],
                     chains: list[str], plain: bool) -> list[PulledLayer]:
     pulled: list[PulledLayer] = []
     for i, (layer, chain) in enumerate(zip(layers, chains)):
         what = f"{name}: layer {i + 1}/{len(layers)} {layer['digest']}"
-        if ctr.snapshot_exists(snapshotter, chain):
+        present = ctr.snapshot_labels(snapshotter, chain)
+        if present is not None:
+            ctr.lease_snapshot(snapshotter, chain)
+        if present is not None and _check_present(ctr, snapshotter, name, layer, chain, present, what):
             pulled.append(PulledLayer(layer["digest"], chain, "present", layer.get("size")))
             continue
         labels = layer_labels(name, layer, chain, manifest_digest, plain)

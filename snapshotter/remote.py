@@ -18,6 +18,7 @@ Where the layer annotations come from: `shoal pull` passes them as labels
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -48,7 +49,14 @@ from shoal import mediatypes as mt
 from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from snapshotter.fs.client import FSClient
-from snapshotter.snapshotter import LABEL_DIFF_ID, LABEL_PROOF, RemoteLayer
+from snapshotter.snapshotter import (
+    LABEL_DIFF_ID,
+    LABEL_LAYER_DIGEST,
+    LABEL_PROOF,
+    PROVEN,
+    ProofFailed,
+    RemoteLayer,
+)
 from snapshotter.unpack import unpack
 
 log = logging.getLogger("shoal.remote")
@@ -61,7 +69,6 @@ LABEL_CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
 # labels named "containerd.io/snapshot/..." (snapshots.FilterInheritedLabels).
 _P = "containerd.io/snapshot/shoal."
 LABEL_IMAGE_REF = _P + "image-ref"
-LABEL_LAYER_DIGEST = _P + "layer-digest"
 LABEL_LAYER_SIZE = _P + "layer-size"
 LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
@@ -115,6 +122,8 @@ class RemoteLayers:
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)
         desc = self._descriptor(blob, labels)
+        if blob.size is None and isinstance(desc.get("size"), int):  # CRI's labels carry no size; its manifest does
+            blob = dataclasses.replace(blob, size=desc["size"])
         self._warm_image(blob, labels.get(LABEL_CRI_MANIFEST_DIGEST), image)
         info = {LABEL_LAYER_DIGEST: digest}
         with self._lock_for(digest):
@@ -124,9 +133,9 @@ class RemoteLayers:
             else:
                 path, diff_id = self._unpacked(blob, desc, image, target, parent_chain, labels)
                 kind = "unpacked"
-                info.update({LABEL_DIFF_ID: diff_id, LABEL_PROOF: "proven"})
+                info.update({LABEL_DIFF_ID: diff_id, LABEL_PROOF: PROVEN})
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
-        return RemoteLayer(path, kind, {**info, LABEL_KIND: kind})
+        return RemoteLayer(path, kind, {**info, LABEL_KIND: kind}, digest=digest)
 
     # --- warm-up of an image's other layers ---------------------------------------------------
 
@@ -274,6 +283,29 @@ class RemoteLayers:
         if path.startswith(self.fs.mnt + os.sep):
             self.fs.ensure_running()
             self.fs.load(os.path.basename(path))
+
+    def prove(self, layer: RemoteLayer, urgent: bool, timeout: float) -> str:
+        """The layer file system reads the whole blob through the node's fetch chain and
+        answers its diff_id (snapshotter/fs/proof.py)."""
+        if not layer.path.startswith(self.fs.mnt + os.sep):
+            raise ProofFailed(f"{layer.path}: not a lazy layer of this node", final=False)
+        layer_id = os.path.basename(layer.path)
+        try:
+            self.fs.ensure_running()
+            self.fs.load(layer_id)
+            reply = self.fs.call("prove", timeout=timeout, id=layer_id, urgent=urgent)
+        except TimeoutError:
+            raise ProofFailed(f"layer {layer.digest}: its proof did not complete within {timeout:.0f}s") from None
+        except (OSError, ShoalError) as e:
+            raise ProofFailed(f"layer {layer.digest}: {e}") from None
+        if reply.get("diff_id"):
+            return str(reply["diff_id"])
+        raise ProofFailed(str(reply.get("error")), final=bool(reply.get("final")))
+
+    def mark_bad(self, layer: RemoteLayer, reason: str) -> None:
+        if layer.path.startswith(self.fs.mnt + os.sep):
+            self.fs.ensure_running()
+            self.fs.call("mark_bad", id=os.path.basename(layer.path), reason=reason)
 
     def _lock_for(self, digest: str) -> threading.Lock:
         with self._locks_lock:

@@ -66,13 +66,19 @@ from shoal.errors import ShoalError
 # Labels with a meaning in the protocol.
 LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
 LABEL_LAYER_KIND = "shoal.io/layer-kind"  # "lazy" | "unpacked" on remote-provided layers
-# What a remote layer is proven to hold, set on its committed snapshot by RemoteLayers
-# alone: the same names in a Prepare's labels (which an image's layer annotations can
-# set, through containerd's unpacker) are dropped. diff-id: the layer's diff_id; proof:
-# "proven" (its bytes were hashed to that diff_id), "pending" or "bad" (lazy layers).
+# The proof of a remote layer (see chainproof.py), set on its committed snapshot by the
+# node alone: the same names in a Prepare's labels (which an image's layer annotations
+# can set, through containerd's unpacker) are dropped. Under containerd.io/snapshot/ so
+# that containerd's Stat shows them. diff-id: the diff_id the layer's bytes were hashed
+# to; proof: PROVEN or BAD once known. PENDING is never written on the record itself:
+# containerd copies a provided snapshot's labels into its own metadata when it records
+# it, and its copy wins over the snapshotter's later labels. A lazy layer without
+# LABEL_PROOF is pending; a node-unpacked layer is PROVEN at its commit.
+LABEL_LAYER_DIGEST = "containerd.io/snapshot/shoal.layer-digest"  # the blob the layer was made from
 LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
 LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
 NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
+PENDING, PROVEN, BAD = "pending", "proven", "bad"
 
 
 class Kind(enum.IntEnum):
@@ -151,6 +157,16 @@ class RemoteLayer:
     kind: str
     info_labels: dict[str, str] = field(default_factory=dict)
     usage: Usage | None = None
+    digest: str = ""  # the blob it was made from (LABEL_LAYER_DIGEST); proofs are per blob
+
+
+class ProofFailed(ShoalError):
+    """RemoteLayers.prove could not give a diff_id: `final` when none can ever come (the
+    verified blob does not decompress), else a failed attempt (a source, a timeout)."""
+
+    def __init__(self, message: str, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 class RemoteLayers(Protocol):
@@ -184,6 +200,16 @@ class RemoteLayers(Protocol):
     def restore(self, layer_path: str, labels: dict[str, str]) -> None:
         """At start-up, for every remote snapshot in the metadata: make `layer_path`
         serve the layer again after a daemon restart (labels as recorded at prepare)."""
+        ...
+
+    def prove(self, layer: RemoteLayer, urgent: bool, timeout: float) -> str:
+        """The diff_id of a lazy layer's whole content (sha256 of its decompressed blob,
+        the blob checked against its digest), blocking up to `timeout` seconds; `urgent`
+        when a caller waits for it (else at low priority). ProofFailed."""
+        ...
+
+    def mark_bad(self, layer: RemoteLayer, reason: str) -> None:
+        """Every read of the lazy layer fails from now on (EIO, a log line with reason)."""
         ...
 
 

@@ -327,15 +327,44 @@ class ContainerdServer:
             raise RuntimeError(f"containerd: still mounted after umount -l: {left}")
 
 
-def _containerd_config(root: Path, state: Path, address: str, extra: str = "") -> str:
-    def q(value: object) -> str:
-        return json.dumps(str(value))  # a TOML basic string is a JSON string
+def _q(value: object) -> str:
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
 
+
+def cri_config(snapshotter: str, registries: list[str], sandbox_image: str, cni_dir: Path) -> str:
+    """The CRI plugin's table for a test containerd: pods on `snapshotter` with the
+    remote-snapshot labels (disable_snapshot_annotations = false), plain-HTTP mirrors for
+    the loopback `registries`, restrict_oom_score_adj (root here lacks CAP_SYS_RESOURCE:
+    see /work/shared/notes/libraries.md), its stream server on loopback, and empty CNI
+    folders of its own (pods use the host network). Its state and root are containerd's,
+    inside the test's directories."""
+    cri = '[plugins."io.containerd.grpc.v1.cri"]'
+    lines = [
+        cri,
+        f"  sandbox_image = {_q(sandbox_image)}",
+        "  restrict_oom_score_adj = true",
+        '  stream_server_address = "127.0.0.1"',
+        '  stream_server_port = "0"',
+        "  enable_selinux = false",
+        f"{cri[:-1]}.containerd]",
+        f"  snapshotter = {_q(snapshotter)}",
+        "  disable_snapshot_annotations = false",
+        f"{cri[:-1]}.cni]",
+        f"  bin_dir = {_q(cni_dir / 'bin')}",
+        f"  conf_dir = {_q(cni_dir / 'conf')}",
+    ]
+    for host in registries:
+        lines += [f'{cri[:-1]}.registry.mirrors."{host}"]', f'  endpoint = ["http://{host}"]']
+    return "\n".join(lines) + "\n"
+
+
+def _containerd_config(root: Path, state: Path, address: str, extra: str = "", cri: bool = False) -> str:
+    q = _q
     return "\n".join([
         "version = 2",
         f"root = {q(root)}",
         f"state = {q(state)}",
-        'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
+        *([] if cri else ['disabled_plugins = ["io.containerd.grpc.v1.cri"]']),
         "[grpc]",
         f"  address = {q(address)}",
         "[ttrpc]",
@@ -352,10 +381,12 @@ def _containerd_config(root: Path, state: Path, address: str, extra: str = "") -
     ])
 
 
-def start_containerd(workdir: Path | str, extra_config: str = "") -> ContainerdServer:
+def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | None = None) -> ContainerdServer:
     """Start /usr/bin/containerd with root, state and socket inside `workdir` (or, when
     that path is too long for a unix socket, a short private directory under /tmp).
-    `extra_config` is appended to its TOML (e.g. a `[proxy_plugins.shoal]` table)."""
+    `extra_config` is appended to its TOML (e.g. a `[proxy_plugins.shoal]` table).
+    `cri`: the CRI plugin's configuration (cri_config()); the plugin is disabled without
+    it. With it, the CRI v1 API is served on the same socket (tests/cri.py)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     root, state = workdir / "root", workdir / "state"
@@ -368,7 +399,7 @@ def start_containerd(workdir: Path | str, extra_config: str = "") -> ContainerdS
         socket_dir = Path(tempfile.mkdtemp(prefix="shoal-ctd-", dir="/tmp"))
         address = str(socket_dir / "c.sock")
     config_path = workdir / "containerd.toml"
-    config_path.write_text(_containerd_config(root, state, address, extra_config))
+    config_path.write_text(_containerd_config(root, state, address, extra_config + "\n" + (cri or ""), cri is not None))
     created_run_dirs = missing_dirs(*_CONTAINERD_RUN_DIRS)
     log_path = workdir / "containerd.log"
     with open(log_path, "wb") as log:
@@ -446,25 +477,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = ""):
+def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", cri_registries: list[str] | None = None,
+                               sandbox_image: str = ""):
     """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
     (deploy/containerd/config.toml), in a short private directory (unix socket paths are
-    short); `node_config`: the node's TOML, if any. Yields (node, containerd); stops both, the
-    layer file system server and every mount under the directory, then removes it — also
-    on failure."""
+    short). Yields (node, containerd); stops both, the layer file system server and every
+    mount under the directory, then removes it — also on failure.
+
+    The node's configuration is `node_config` (TOML) plus `[containerd] address` = this
+    containerd. `cri_registries`: enable containerd's CRI plugin (cri_config) with pods on
+    shoal, pulling from these loopback registries, sandboxes from `sandbox_image`."""
     from snapshotter.fs.client import FSClient
 
     short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     node = ctd = None
     try:
-        extra: tuple[str, ...] = ()
-        if node_config:
-            (short / "node.toml").write_text(node_config)
-            extra = ("--config", str(short / "node.toml"))
-        node = NodeProcess(short / "root", short / "s.sock", short / "node.log", extra)
+        ctd_dir = short / "ctd"
+        config = short / "node.toml"
+        config.write_text(f"{node_config}\n[containerd]\naddress = {_q(ctd_dir / 'containerd.sock')}\n")
+        node = NodeProcess(short / "root", short / "s.sock", short / "node.log", ("--config", str(config)))
         snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
             "/run/shoal/snapshotter.sock", str(short / "s.sock"))
-        ctd = start_containerd(short / "ctd", extra_config=snippet)
+        cri = None
+        if cri_registries is not None:
+            cri = cri_config("shoal", cri_registries, sandbox_image, short / "cni")
+        ctd = start_containerd(ctd_dir, extra_config=snippet, cri=cri)
+        assert ctd.address == str(ctd_dir / "containerd.sock"), ctd.address
         yield node, ctd
     finally:
         if ctd is not None:

@@ -10,7 +10,17 @@ restart of the node's control plane (gRPC, asyncio) does not take running contai
 files away: the node reconnects to this server by its socket. On start it loads every
 layer found under ROOT/layers, so a reboot restores the mounts too.
 
-Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks}.
+Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks},
+prove {id, urgent?}, mark_bad {id, reason}.
+
+Proofs (fs/proof.py): `prove` answers, once it is known, the diff_id the layer's whole
+blob decompresses to, {"diff_id"} or {"error", "final"}. One computation per layer
+however many ask; background proofs run one at a time on a thread of lowered CPU
+priority, in PROOF_RANGE requests through the node's fetch chain, so that containers'
+own reads come first; an `urgent` one (a Prepare is waiting for it) starts at once.
+`mark_bad` makes every open and read of the layer's files fail with EIO and a log line
+(the reason names image, layer, claimed and actual diff_id); the mark is kept in
+ROOT/layers/<hex>/bad and survives restarts.
 
 Access profile: the server notes every chunk that reads use, once, in the order of their
 first use, per layer and ordered across layers (`profile` returns [[layer digest, start,
@@ -35,7 +45,7 @@ import stat as statmod
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -45,6 +55,7 @@ from builder.zstdchunked import LayerReader, parse_toc
 from cache.source import BlobRef
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
+from snapshotter.fs.proof import ProofError, prove_blob
 from snapshotter.fs.view import LayerView, Node
 
 log = logging.getLogger("shoal.fs")
@@ -56,6 +67,8 @@ TRACE_LIMIT = 250_000  # chunks of one layer noted in its access trace (a 30 GB 
 PREFETCH_THREADS = 2
 PREFETCH_FIRST = 1 << 20  # compressed bytes of the first prefetch job
 PREFETCH_BATCH = 16 << 20  # and of the later ones (each doubles the one before)
+PROOF_NICE = 10  # CPU priority of the background proof thread (os.setpriority)
+BAD_FILE = "bad"  # ROOT/layers/<hex>/bad: the reason the layer is refused
 
 
 @dataclass
@@ -72,6 +85,7 @@ class Layer:
     errors: int = 0
     attrs: dict = field(default_factory=dict)  # inode -> EntryAttributes
     traced: dict = field(default_factory=dict)  # chunk start -> (first-use sequence, end): the access trace
+    bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
 
 def layer_dir(root: str, layer_id: str) -> str:
@@ -99,6 +113,9 @@ class LayerFS(pyfuse3.Operations):
         self._prefetch_jobs = 0  # queued or running
         self._prefetch_since = 0.0
         self._prefetch_done = 0
+        self.read_ranges = None  # (blob, ranges) -> bytes through the fetch chain: proofs need it
+        self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
+        self._proof_pool: ThreadPoolExecutor | None = None
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
             setattr(self, name, self._timed(name, getattr(self, name)))
 
@@ -150,6 +167,11 @@ class LayerFS(pyfuse3.Operations):
         if layer_id in self.layers:
             return self.layers[layer_id]
         layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time())
+        try:
+            with open(os.path.join(layer_dir(self.root, layer_id), BAD_FILE)) as f:
+                layer.bad = f.read().strip() or "marked bad"
+        except FileNotFoundError:
+            pass
         view.reader.on_read = lambda chunks: self._note(layer, chunks)
         self._next_number += 1
         self.layers[layer_id] = layer
@@ -244,6 +266,88 @@ class LayerFS(pyfuse3.Operations):
             seconds, fetched = time.monotonic() - self._prefetch_since, self._prefetch_done
         log.info("prefetch done: %d chunks fetched in %.2fs (the others were here or on their way)", fetched, seconds)
 
+    # --- proofs -----------------------------------------------------------------------------
+
+    def prove(self, layer_id: str, urgent: bool = False) -> Future:
+        """The proof of a loaded layer (see the module docstring): a Future of
+        {"diff_id"} or {"error", "final"}. KeyError for a layer not loaded."""
+        layer = self.layers[layer_id]
+        with self._lock:
+            entry = self._proofs.get(layer_id)
+            if entry is None or (entry[0].done() and not entry[0].result().get("diff_id")
+                                 and not entry[0].result().get("final")):
+                entry = self._proofs[layer_id] = [Future(), False]  # a failed attempt is tried again
+                if not urgent:
+                    if self._proof_pool is None:
+                        self._proof_pool = ThreadPoolExecutor(1, thread_name_prefix="shoal-proof",
+                                                              initializer=_lower_priority)
+                    self._proof_pool.submit(self._run_proof, layer, entry)
+            start_now = urgent and not entry[1]
+        if start_now:
+            threading.Thread(target=self._run_proof, args=(layer, entry), name="shoal-proof-urgent",
+                             daemon=True).start()
+        return entry[0]
+
+    def _run_proof(self, layer: Layer, entry: list) -> None:
+        with self._lock:
+            if entry[1]:
+                return  # the other thread (background or urgent) has it
+            entry[1] = True
+        started = time.monotonic()
+        try:
+            diff_id = prove_blob(self.read_ranges, layer.blob)
+            answer: dict = {"diff_id": diff_id}
+            log.info("proof of layer %s of %s: diff_id %s (%.1fs)", layer.blob.digest, layer.image or "?",
+                     diff_id, time.monotonic() - started)
+        except ProofError as e:
+            answer = {"error": f"layer {layer.blob.digest}: {e}", "final": e.final}
+            log.warning("proof of layer %s of %s: %s", layer.blob.digest, layer.image or "?", e)
+        except Exception as e:  # noqa: BLE001 - a bug answers as a failed attempt, never as a proof
+            log.exception("proof of layer %s failed", layer.blob.digest)
+            answer = {"error": f"layer {layer.blob.digest}: {type(e).__name__}: {e}", "final": False}
+        entry[0].set_result(answer)
+
+    def mark_bad(self, layer_id: str, reason: str) -> None:
+        """Refuse every read of the layer from now on, and after restarts."""
+        layer = self.layers[layer_id]
+        path = os.path.join(layer_dir(self.root, layer_id), BAD_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(reason + "\n")
+        os.rename(path + ".tmp", path)
+        if not layer.bad:
+            log.error("layer %s of %s is bad, its reads fail from now on: %s", layer.blob.digest,
+                      layer.image or "?", reason)
+        layer.bad = reason
+
+    def drop_cached_pages(self, layer_id: str) -> None:
+        """Have the kernel forget the pages it holds of the layer's files (keep_cache), so
+        that reads after mark_bad reach this process and fail. Any thread (the file
+        system has no writeback cache, so the call does not wait on us)."""
+        layer = self.layers.get(layer_id)
+        if layer is None:
+            return
+        for node in list(layer.view.nodes.values()):
+            entry = layer.view.reader.entries.get(node.path)
+            if node.whiteout or entry is None or entry.type != "reg":
+                continue
+            try:
+                pyfuse3.invalidate_inode((layer.number << LAYER_SHIFT) | node.ino, False)
+            except OSError:
+                pass  # an inode the kernel does not hold (ENOENT): nothing cached
+
+    def proof_state(self, layer: Layer) -> dict:
+        if layer.bad:
+            return {"proof": "bad", "reason": layer.bad}
+        entry = self._proofs.get(layer.id)
+        if entry is None:
+            return {"proof": "pending"}
+        if not entry[0].done():
+            return {"proof": "pending", "proving": entry[1]}
+        answer = entry[0].result()
+        if answer.get("diff_id"):
+            return {"proof": "computed", "diff_id": answer["diff_id"]}
+        return {"proof": "bad" if answer.get("final") else "pending", "reason": answer.get("error")}
+
     def unload(self, layer_id: str) -> bool:
         layer = self.layers.pop(layer_id, None)
         if layer is None:
@@ -270,6 +374,7 @@ class LayerFS(pyfuse3.Operations):
                 "prefetched_chunks": getattr(loader, "prefetched_chunks", 0),
                 "fetch_seconds": round(getattr(loader, "fetch_seconds", 0.0), 3),
                 "decode_seconds": round(getattr(loader, "decode_seconds", 0.0), 3),
+                **self.proof_state(layer),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
         prefetch = {"queued_chunks": self.prefetch_queued, "jobs_pending": self._prefetch_jobs,
@@ -382,8 +487,16 @@ class LayerFS(pyfuse3.Operations):
     async def releasedir(self, fh):
         pass
 
+    def _refuse_bad(self, layer: Layer, node: Node, what: str) -> None:
+        if layer.bad:
+            layer.errors += 1
+            log.error("%s /%s of layer %s of %s refused (EIO): %s", what, node.path, layer.blob.digest,
+                      layer.image or "?", layer.bad)
+            raise pyfuse3.FUSEError(errno.EIO)
+
     async def open(self, inode, flags, ctx):
         layer, node = self._resolve(inode)
+        self._refuse_bad(layer, node, "open")
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
         if layer.view.stat(node).type != "reg":
@@ -393,6 +506,7 @@ class LayerFS(pyfuse3.Operations):
     async def read(self, fh, off, size):
         layer, node = self._resolve(fh)
         layer.reads += 1
+        self._refuse_bad(layer, node, "read")
         reader = layer.view.reader
         try:
             # Chunks already decompressed in memory are served here; anything that must
@@ -491,6 +605,14 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
             return {"ok": True, **fs.status(), "store": fs_store_stats(fs)}
         if op == "profile":
             return {"ok": True, "chunks": fs.profile(req.get("layers"))}
+        if op == "prove":
+            future = fs.prove(str(req["id"]), bool(req.get("urgent")))
+            answer = await trio.to_thread.run_sync(future.result, limiter=_PROOF_WAITERS)
+            return {"ok": True, **answer}
+        if op == "mark_bad":
+            fs.mark_bad(str(req["id"]), str(req.get("reason") or "marked bad"))
+            await trio.to_thread.run_sync(fs.drop_cached_pages, str(req["id"]))
+            return {"ok": True}
         if op == "prefetch":
             entries = req.get("chunks")
             if not isinstance(entries, list):
@@ -500,6 +622,17 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
     except (ShoalError, OSError, ValueError, KeyError) as e:
         log.error("control %s: %s", line[:200], e)
         return {"ok": False, "error": str(e) or type(e).__name__}
+
+
+_PROOF_WAITERS = trio.CapacityLimiter(32)  # control calls waiting for a proof (not the reads' threads)
+
+
+def _lower_priority() -> None:
+    """Lower the CPU priority of the calling thread alone (Linux: a thread is a task)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROOF_NICE)
+    except OSError as e:
+        log.warning("cannot lower the priority of the proof thread: %s", e)
 
 
 def fs_store_stats(fs: LayerFS) -> dict:
@@ -553,6 +686,7 @@ def build_fs(root: str, config: dict) -> LayerFS:
     path = make_data_path(root, config)
     fs = LayerFS(root, path.loader)
     fs.data_path = path  # type: ignore[attr-defined]
+    fs.read_ranges = path.read_ranges
     return fs
 
 

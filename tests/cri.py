@@ -1,0 +1,110 @@
+"""A small CRI v1 client, as the kubelet drives containerd's CRI plugin (PyPI
+`container-runtime-interface-api`: cri_api.v1.api_pb2 / api_pb2_grpc), for tests.
+
+The stubs need protobuf's pure-Python implementation like containerd's (snapshotter.convert
+selects it): import snapshotter.convert before this module's stubs load.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from snapshotter import convert  # noqa: F401  (selects the protobuf implementation first)
+
+# isort: split
+import grpc
+from cri_api.v1 import api_pb2, api_pb2_grpc
+
+
+class CRIError(RuntimeError):
+    """A CRI call failed: `.code` (grpc.StatusCode) and the message containerd gave."""
+
+    def __init__(self, what: str, error: grpc.RpcError) -> None:
+        self.code, self.details = error.code(), error.details() or ""
+        super().__init__(f"{what}: {self.code.name}: {self.details}")
+
+
+class CRIClient:
+    """ImageService and RuntimeService on containerd's socket (namespace k8s.io)."""
+
+    def __init__(self, address: str, timeout: float = 300.0) -> None:
+        self.channel = grpc.insecure_channel(f"unix://{os.path.abspath(address)}")
+        self.images = api_pb2_grpc.ImageServiceStub(self.channel)
+        self.runtime = api_pb2_grpc.RuntimeServiceStub(self.channel)
+        self.timeout = timeout
+
+    def _call(self, stub, method: str, request, what: str):
+        try:
+            return getattr(stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise CRIError(what, e) from None
+
+    def version(self) -> str:
+        return self._call(self.runtime, "Version", api_pb2.VersionRequest(), "version").runtime_version
+
+    def pull_image(self, image: str) -> str:
+        """PullImage; returns the image reference containerd gives (its id)."""
+        reply = self._call(self.images, "PullImage",
+                           api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)), f"pull {image}")
+        return reply.image_ref
+
+    def image_status(self, image: str):
+        return self._call(self.images, "ImageStatus",
+                          api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=image)), f"status {image}").image
+
+    def run(self, image: str, command: list[str], log_dir: str, name: str, timeout: float = 120.0) -> str:
+        """What the kubelet does for a one-container pod: RunPodSandbox (host network: no
+        CNI), CreateContainer of `image` running `command`, StartContainer, wait for its
+        exit; returns what it wrote on stdout (from its CRI log file under `log_dir`).
+        CRIError when any step fails or the container exits non-zero (with its log).
+        The pod is stopped and removed in any case."""
+        host = api_pb2.NamespaceOption(network=api_pb2.NamespaceMode.NODE)
+        sandbox = api_pb2.PodSandboxConfig(
+            metadata=api_pb2.PodSandboxMetadata(name=name, uid=name, namespace="shoal-test"),
+            log_directory=log_dir,
+            linux=api_pb2.LinuxPodSandboxConfig(security_context=api_pb2.LinuxSandboxSecurityContext(
+                namespace_options=host)))
+        pod = self._call(self.runtime, "RunPodSandbox", api_pb2.RunPodSandboxRequest(config=sandbox),
+                         f"run pod {name}").pod_sandbox_id
+        try:
+            config = api_pb2.ContainerConfig(
+                metadata=api_pb2.ContainerMetadata(name=name), image=api_pb2.ImageSpec(image=image),
+                command=command, log_path=f"{name}.log",
+                linux=api_pb2.LinuxContainerConfig(security_context=api_pb2.LinuxContainerSecurityContext(
+                    namespace_options=host)))
+            cid = self._call(self.runtime, "CreateContainer", api_pb2.CreateContainerRequest(
+                pod_sandbox_id=pod, config=config, sandbox_config=sandbox), f"create container {name}").container_id
+            self._call(self.runtime, "StartContainer", api_pb2.StartContainerRequest(container_id=cid),
+                       f"start container {name}")
+            deadline = time.monotonic() + timeout
+            while True:
+                st = self._call(self.runtime, "ContainerStatus", api_pb2.ContainerStatusRequest(container_id=cid),
+                                f"status of {name}").status
+                if st.state == api_pb2.ContainerState.CONTAINER_EXITED:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"container {name} still running after {timeout:.0f}s")
+                time.sleep(0.1)
+            out = read_cri_log(os.path.join(log_dir, f"{name}.log"))
+            if st.exit_code != 0:
+                raise RuntimeError(f"container {name} exited with {st.exit_code}: {out}")
+            return out
+        finally:
+            self._call(self.runtime, "StopPodSandbox", api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod), "stop pod")
+            self._call(self.runtime, "RemovePodSandbox", api_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod),
+                       "remove pod")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def read_cri_log(path: str) -> str:
+    """The stdout lines of a CRI log file (`TIME STREAM TAG LINE`, TAG F full or P partial)."""
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(" ", 3)
+            if len(parts) == 4 and parts[1] == "stdout":
+                out.append(parts[3] + ("\n" if parts[2] == "F" else ""))
+    return "".join(out)
