@@ -568,7 +568,7 @@ class LabNode:
         from snapshotter.pull import provide_layers
 
         layers = provide_layers(str(self.socket), image.name, image.manifest_digest, image.layers,
-                                image.diff_ids, plain=True)
+                                image.diff_ids)  # plain HTTP: the node's plain_http_hosts
         pid = fs_server_pid(self.root)
         if pid:
             lab.adopt(pid, str(self.root))

@@ -245,7 +245,7 @@ _ERRDEFS_SUFFIX = re.compile(
     r": (unknown|invalid argument|not found|already exists|failed precondition|unavailable|not implemented)$")
 
 
-def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str, plain: bool) -> dict[str, str]:
+def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str) -> dict[str, str]:
     """The remote-snapshot labels of one layer's Prepare (see snapshotter/remote.py)."""
     labels = {
         remote.LABEL_TARGET: chain,
@@ -257,8 +257,6 @@ def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str, plain
         remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
         remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
     }
-    if plain:
-        labels[remote.LABEL_PLAIN_HTTP] = "true"
     ann = layer.get("annotations")
     loc = location_from_annotations(ann)
     if loc is not None:
@@ -303,7 +301,7 @@ def _check_present(ctr: _Containerd, snapshotter: str, name: str, layer: dict, c
 
 
 def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_digest: str, layers: list[dict],
-                    chains: list[str], plain: bool) -> list[PulledLayer]:
+                    chains: list[str]) -> list[PulledLayer]:
     pulled: list[PulledLayer] = []
     for i, (layer, chain) in enumerate(zip(layers, chains)):
         what = f"{name}: layer {i + 1}/{len(layers)} {layer['digest']}"
@@ -313,7 +311,7 @@ def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_dige
         if present is not None and _check_present(ctr, snapshotter, name, layer, chain, present, what):
             pulled.append(PulledLayer(layer["digest"], chain, "present", layer.get("size")))
             continue
-        labels = layer_labels(name, layer, chain, manifest_digest, plain)
+        labels = layer_labels(name, layer, chain, manifest_digest)
         ctr.prepare_remote(snapshotter, chains[i - 1] if i else "", labels, what)
         kind = "lazy" if remote.LABEL_TOC_POSITION in labels else "unpacked"
         log.info("%s: %s", what, kind)
@@ -322,14 +320,14 @@ def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_dige
 
 
 def provide_layers(address: str, name: str, manifest_digest: str, layers: list[dict], diff_ids: list[str],
-                   plain: bool = False, snapshotter: str = "shoal") -> list[PulledLayer]:
+                   snapshotter: str = "shoal") -> list[PulledLayer]:
     """Have the snapshotter behind `address` provide an image's layers (what `shoal pull`
     does without the content, image and lease records). `address` may be a shoal node's
     own socket, which serves the same Snapshots API: tests and tools use a node without
     containerd this way. `name` is HOST/REPO[:TAG], `layers` the manifest's descriptors."""
     ctr = _Containerd(address, "default")
     try:
-        return _provide_layers(ctr, snapshotter, name, manifest_digest, layers, chain_ids(diff_ids), plain)
+        return _provide_layers(ctr, snapshotter, name, manifest_digest, layers, chain_ids(diff_ids))
     finally:
         ctr.close()
 
@@ -380,7 +378,7 @@ def pull(ref: str, address: str = DEFAULT_ADDRESS, namespace: str = "default", p
         layers = [ly.raw for ly in doc.layers]
         chains = chain_ids(diff_ids)
         ctr.create_lease()
-        pulled = _provide_layers(ctr, snapshotter, name, manifest.digest, layers, chains, plain)
+        pulled = _provide_layers(ctr, snapshotter, name, manifest.digest, layers, chains)
         # content: config (holding the snapshot GC reference), manifest, index
         gc = f"containerd.io/gc.ref.snapshot.{snapshotter}"
         ctr.write_content(config_bytes, config_desc["digest"], {gc: chains[-1]} if chains else {})

@@ -73,7 +73,6 @@ LABEL_LAYER_SIZE = _P + "layer-size"
 LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
-LABEL_PLAIN_HTTP = _P + "plain-http"
 LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
 
 
@@ -111,14 +110,20 @@ class RemoteLayers:
     # --- the seam -------------------------------------------------------------------------
 
     def prepare(self, target: str, parent_chain: str, labels: dict[str, str]) -> RemoteLayer | None:
-        digest = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
-        image = labels.get(LABEL_IMAGE_REF) or labels.get(LABEL_CRI_IMAGE_REF)
+        # What to fetch, from where and how is decided by labels an image cannot forge
+        # where a pull path sets them: containerd's unpacker turns an image's layer
+        # annotations named containerd.io/snapshot/... into Prepare labels, and CRI then
+        # sets its own cri.* labels over them, but not shoal.* ones. So CRI's image and
+        # layer win over shoal.*, and plain HTTP is the node's configuration alone
+        # ([fetch] plain_http_hosts, loopback), never a label: an image cannot send the
+        # node's registry credentials in clear or to another repository.
+        digest = labels.get(LABEL_CRI_LAYER_DIGEST) or labels.get(LABEL_LAYER_DIGEST)
+        image = labels.get(LABEL_CRI_IMAGE_REF) or labels.get(LABEL_IMAGE_REF)
         if not digest or not image:
             return None
         check_digest(digest, "layer digest label")
         registry, repository = parse_image_ref(image)
-        plain = labels.get(LABEL_PLAIN_HTTP) == "true" or registry in self.config.get("plain_http_hosts", []) or (
-            is_loopback_host(registry))
+        plain = registry in self.config.get("plain_http_hosts", []) or is_loopback_host(registry)
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)
         desc = self._descriptor(blob, labels)

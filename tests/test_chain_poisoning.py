@@ -449,3 +449,61 @@ def test_prove_blob_gives_the_diff_id_and_tells_a_bad_read_from_a_bad_blob():
         assert e.value.final and "does not decompress" in str(e.value)
     finally:
         proof.PROOF_RANGE = old
+
+
+# --- labels an image can set -------------------------------------------------------------------
+
+
+def test_layer_annotations_cannot_redirect_the_node(images, registry, node_factory, tmp_path):
+    """containerd's unpacker turns an image's layer annotations named
+    containerd.io/snapshot/... into Prepare labels. A tenant's image whose top layer
+    annotations name another repository's layer (`shoal.image-ref`, `shoal.layer-digest`,
+    its TOC) and whose config claims that layer's diff_id must not make the node fetch
+    that layer with the node's credentials and serve it: through CRI, the node takes the
+    layer CRI names (the image's own, from the image's own repository)."""
+    from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
+
+    private = f"{registry.host}/poison/private:victim-lazy"
+    convert(f"docker://{images['victim-gzip']}", f"docker://{private}", plain_http=True)
+    with open_source(f"docker://{private}", plain_http=True) as s:
+        victim_top = json.loads(s.get_root().data)["layers"][-1]
+    # the tenant's image: its own layers, its config claiming the victim's diff_id, and
+    # annotations pointing the node at the private repository's copy of the victim's layer
+    tenant = f"{registry.host}/poison/tenant:redirect"
+    with open_source(f"docker://{images['attacker-lazy']}", plain_http=True) as s:
+        root = s.get_root()
+        doc = json.loads(root.data)
+        config = _config(s, doc)
+    ann = victim_top["annotations"]
+    doc["layers"][-1]["annotations"] = {
+        **doc["layers"][-1].get("annotations", {}),
+        "containerd.io/snapshot/shoal.image-ref": private,
+        "containerd.io/snapshot/shoal.layer-digest": victim_top["digest"],
+        "containerd.io/snapshot/shoal.layer-size": str(victim_top["size"]),
+        "containerd.io/snapshot/shoal.toc-position": ann[MANIFEST_POSITION],
+        "containerd.io/snapshot/shoal.toc-digest": ann[MANIFEST_CHECKSUM],
+        "containerd.io/snapshot/shoal.plain-http": "true",
+    }
+    manifest = json.dumps(doc).encode()
+    with open_source(f"docker://{images['attacker-lazy']}", plain_http=True) as s, \
+            open_destination(f"docker://{tenant}", plain_http=True) as d:
+        for desc in [doc["config"], *doc["layers"]]:
+            path = tmp_path / desc["digest"][7:]
+            with s.open_blob(desc["digest"], desc["size"]) as blob, open(path, "wb") as out:
+                while chunk := blob.read(1 << 20):
+                    out.write(chunk)
+            d.put_blob(str(path), desc["digest"], desc["size"])
+        d.put_root(Manifest(manifest, root.media_type, _sha256(manifest)))
+    assert json.loads(config)["rootfs"]["diff_ids"][-1] == _chains_diff_ids(images["victim-lazy"])[-1]
+    before = registry.count("GET", "/v2/poison/private/")
+    with cri_node(node_factory, GATE) as (node, ctd, cri):
+        cri.pull_image(tenant)
+        proc = run(ctd, tenant, "redirect-t", namespace=CRI_NS)
+        assert VICTIM not in proc.stdout, "the node served another repository's layer to the tenant"
+        assert proc.returncode == 0 and proc.stdout == ATTACKER, proc.stderr
+    assert registry.count("GET", "/v2/poison/private/") == before  # the node never went there
+
+
+def _chains_diff_ids(ref: str) -> list[str]:
+    with open_source(f"docker://{ref}", plain_http=True) as s:
+        return json.loads(_config(s, json.loads(s.get_root().data)))["rootfs"]["diff_ids"]
