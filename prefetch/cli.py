@@ -3,10 +3,13 @@ image's start reads, and publish it).
 
     shoal prefetch REF --root DIR [--mode profile|full] [--wait] [--timeout S] [--json]
 
+    shoal profile record REF [--timeout S] (--push | --out FILE) [-- CMD ARGS...]
     shoal profile save REF [--root ROOT] (--push | --out FILE) [--plain-http]
     shoal profile show REF [--plain-http] [--json]
 
-`save` takes what the node at ROOT noted while containers of REF ran (every chunk their
+`record` runs the image once on an embedded node (prefetch/embedded.py) and publishes
+what its start read, merged with what earlier recordings published (the CI step after
+`shoal convert`). `save` takes what the node at ROOT noted while containers of REF ran (every chunk their
 reads used, in order of first use) and publishes it next to the image
 (builder/profile.py). Nodes that prepare the image afterwards fetch those chunks first, in
 large requests, while containerd prepares the layers.
@@ -50,6 +53,7 @@ def _summary(ref: str, profile, where: str) -> dict:
         "image": ref, "manifest": profile.manifest, "chunks": len(profile.chunks),
         "compressed_bytes": profile.compressed_bytes,
         "layers": [{"digest": d, "chunks": n} for d, n in per_layer.items()], "where": where,
+        "commands": profile.commands,
     }
 
 
@@ -64,7 +68,7 @@ def _print(summary: dict, as_json: bool) -> None:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from builder.profile import Profile, push_profile
+    from builder.profile import Profile
     from snapshotter.fs.client import FSClient
 
     if not args.push and not args.out:
@@ -78,6 +82,14 @@ def cmd_save(args: argparse.Namespace) -> int:
         raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
                          "start a container of it there first")
     profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
+    _print(_summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers)), args.json)
+    return 0
+
+
+def _publish(args: argparse.Namespace, parsed, plain: bool, profile, layers: list[str]) -> str:
+    """Write the profile to --out and/or push it next to the image: where it went."""
+    from builder.profile import push_profile
+
     where = []
     if args.out:
         with open(args.out, "wb") as f:
@@ -85,7 +97,43 @@ def cmd_save(args: argparse.Namespace) -> int:
         where.append(args.out)
     if args.push:
         where.append(push_profile(parsed.host, parsed.repository, profile, layers, plain))
-    _print(_summary(args.ref, profile, "saved to " + ", ".join(where)), args.json)
+    return ", ".join(where)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from builder.profile import Profile, fetch_profile
+    from builder.zstdchunked import location_from_annotations
+    from prefetch.embedded import EmbeddedNode
+
+    if not args.push and not args.out:
+        raise UsageError("say where the profile goes: --push (next to the image) and/or --out FILE")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most {MAX_TIMEOUT_S} seconds")
+    command = list(args.after_dashes)
+    parsed, plain, manifest, descriptors = _resolve_descriptors(args.ref, args.plain_http, args.platform)
+    layers = [d.digest for d in descriptors]
+    if not any(location_from_annotations(d.annotations) for d in descriptors):
+        raise ShoalError(f"{args.ref}: no layer has a TOC, nothing to record: convert it first (shoal convert)")
+    image = args.ref.removeprefix("docker://")
+    with EmbeddedNode() as node:
+        node.pull(image, plain)
+        code = node.run(image, command, args.timeout)
+        if code not in (0, None):
+            raise ShoalError(f"{image}: the recorded command exited with status {code}, profile not published "
+                             f"(its last line: {node.container_log()})")
+        chunks = node.fs.call("profile", layers=layers)["chunks"]
+    if not chunks:
+        raise ShoalError(f"{image}: its start read nothing of its lazy layers: nothing to record")
+    profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks], [command])
+    recorded = len(profile.chunks)
+    published = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers) if args.push else None
+    if published is not None and not args.replace:
+        profile = published.merge(profile)
+    where = _publish(args, parsed, plain, profile, layers)
+    summary = _summary(args.ref, profile, "saved to " + where)
+    summary.update({"recorded_chunks": recorded, "merged_with": len(published.chunks) if published else 0,
+                    "ran_past_timeout": code is None})
+    _print(summary, args.json)
     return 0
 
 
@@ -246,7 +294,27 @@ def add_parser(sub) -> None:
             "those chunks in large requests before the container asks for them ([fetch] prefetch_profiles)."
         ),
     )
-    ps = p.add_subparsers(dest="profile_command", metavar="{save,show}", required=True)
+    ps = p.add_subparsers(dest="profile_command", metavar="{record,save,show}", required=True)
+    r = ps.add_parser(
+        "record", help="run an image once on an embedded node and publish what its start read (the CI step)",
+        description="Start REF once on a node of its own (shoal node and containerd under a temporary "
+        "directory, removed after), with CMD if given after `--` (else the image's own command), until it "
+        "exits or --timeout passes, and make what that start read REF's access profile. With --push, a "
+        "profile already published for REF is merged with this recording (the union of their chunks in "
+        "first-use order; --replace publishes this recording alone). The profile names the commands it "
+        "was recorded with. Needs root, containerd and runc, as `shoal node` does.",
+        usage="shoal profile record REF [--timeout S] [--push] [--out FILE] [--replace] [-- CMD ARGS...]")
+    r.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (a converted image)")
+    r.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds the container may run; then it is stopped and what it read so far counts "
+                   "(default 60)")
+    r.add_argument("--push", action="store_true", help="push the profile next to the image in its registry")
+    r.add_argument("--out", metavar="FILE", help="write the profile's JSON to FILE")
+    r.add_argument("--replace", action="store_true", help="do not merge with the profile already published")
+    r.add_argument("--plain-http", action="store_true", help="HTTP to the registry (default for loopback)")
+    r.add_argument("--platform", help="os/arch of an index (default: this machine's)")
+    r.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    r.set_defaults(func=cmd_record, after_dashes=[])
     s = ps.add_parser("save", help="publish what a node read of an image",
                       description="Turn what the node at --root read of REF's layers (since its layer file "
                       "system started) into REF's access profile. Run REF's start on that node first.")

@@ -41,26 +41,22 @@ def shoal(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([SHOAL, *args], check=False, capture_output=True, text=True, timeout=300)
 
 
-def layer_bytes(registry, manifest: dict) -> int:
-    """Bytes of the image's layer blobs the registry served so far."""
-    return sum(registry.count("GET", ly["digest"])[1] for ly in manifest["layers"])
-
 
 def lazy_start(registry, manifest, ref, ctd, name: str) -> tuple[str, int]:
     """`shoal pull` + `ctr run`: (the container's output, layer bytes the registry served)."""
-    mark = layer_bytes(registry, manifest)
+    mark = registry.layer_bytes(manifest)
     pulled = shoal("pull", ref, "--address", ctd.address, "--namespace", "shoal-test", "--json")
     assert pulled.returncode == 0, pulled.stderr
     assert [ly["kind"] for ly in json.loads(pulled.stdout)["layers"]] == ["lazy"] * 3
     out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, name, *CMD).stdout
-    return out, layer_bytes(registry, manifest) - mark
+    return out, registry.layer_bytes(manifest) - mark
 
 
 def test_full_mode_warms_every_lazy_layer_and_the_start_reads_nothing_from_the_registry(
         registry, image, node_and_containerd):
     ref, manifest = image
     node, ctd = node_and_containerd
-    before = layer_bytes(registry, manifest)
+    before = registry.layer_bytes(manifest)
     proc = shoal("prefetch", ref, "--root", str(node.root), "--mode", "full", "--wait", "--timeout", "120",
                  "--json", "--node-name", "n1")
     assert proc.returncode == 0, proc.stderr
@@ -69,7 +65,7 @@ def test_full_mode_warms_every_lazy_layer_and_the_start_reads_nothing_from_the_r
     (n1,) = result["nodes"]
     assert n1["name"] == "n1" and n1["state"] == "warm" and n1["error"] is None
     assert n1["warm_bytes"] == n1["target_bytes"] > 1_000_000
-    assert layer_bytes(registry, manifest) - before >= n1["target_bytes"]  # fetched, not assumed
+    assert registry.layer_bytes(manifest) - before >= n1["target_bytes"]  # fetched, not assumed
     # the node's own view: every lazy layer loaded, its chunks in the store
     status = json.loads(shoal("status", "--root", str(node.root), "--json").stdout)
     assert len(status["lazy_layers"]) == 3
@@ -88,14 +84,14 @@ def test_profile_mode_warms_the_profile_and_the_start_reads_nothing_from_the_reg
     saved = shoal("profile", "save", ref, "--root", str(node.root), "--push", "--json")
     assert saved.returncode == 0, saved.stderr
     with shoal_node_with_containerd("shoal-pf-cold-") as (cold, ctd2):
-        before = layer_bytes(registry, manifest)
+        before = registry.layer_bytes(manifest)
         proc = shoal("prefetch", ref, "--root", str(cold.root), "--wait", "--json")
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout)
         (n,) = result["nodes"]
         assert result["state"] == "ready" and result["mode"] == "profile" and n["state"] == "warm"
         assert result["profile_chunks"] == json.loads(saved.stdout)["chunks"]
-        assert 0 < n["warm_bytes"] == n["target_bytes"] <= layer_bytes(registry, manifest) - before
+        assert 0 < n["warm_bytes"] == n["target_bytes"] <= registry.layer_bytes(manifest) - before
         full = sum(ly["size"] for ly in manifest["layers"])
         assert n["target_bytes"] < full / 2  # the profile, not the layers
         out, served = lazy_start(registry, manifest, ref, ctd2, "pf-profile")
