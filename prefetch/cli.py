@@ -100,6 +100,15 @@ def _publish(args: argparse.Namespace, parsed, plain: bool, profile, layers: lis
     return ", ".join(where)
 
 
+def _interrupt_on_sigterm() -> None:
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     from builder.profile import Profile, fetch_profile
     from builder.zstdchunked import location_from_annotations
@@ -115,6 +124,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     if not any(location_from_annotations(d.annotations) for d in descriptors):
         raise ShoalError(f"{args.ref}: no layer has a TOC, nothing to record: convert it first (shoal convert)")
     image = args.ref.removeprefix("docker://")
+    _interrupt_on_sigterm()  # a cancelled CI job still stops what the embedded node started
     with EmbeddedNode() as node:
         node.pull(image, plain)
         code = node.run(image, command, args.timeout)

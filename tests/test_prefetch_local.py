@@ -73,6 +73,20 @@ def test_full_mode_warms_every_lazy_layer_and_the_start_reads_nothing_from_the_r
     out, served = lazy_start(registry, manifest, ref, ctd, "pf-full")
     assert out.rstrip().endswith("[42]") and "changed by the top layer" in out
     assert served == 0
+    # on a terminal, --wait shows its progress (on stderr; the result line on stdout)
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        again = subprocess.run([SHOAL, "prefetch", ref, "--root", str(node.root), "--mode", "full", "--wait"],
+                               stdout=subprocess.PIPE, stderr=follower, text=True, timeout=120, check=False)
+        shown = os.read(leader, 65536).decode(errors="replace")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert again.returncode == 0 and "ready (full)" in again.stdout
+    assert f"{ref}: " in shown and "MB warm, 3/3 layers loaded" in shown
 
 
 def test_profile_mode_warms_the_profile_and_the_start_reads_nothing_from_the_registry(

@@ -130,3 +130,36 @@ def test_old_profiles_without_commands_still_read_and_bad_commands_are_refused()
     b = Profile(digest, [(layer, 3, 4), (layer, 1, 2)], [["b"]])
     assert a.merge(b).chunks == [(layer, 1, 2), (layer, 5, 9), (layer, 3, 4)]
     assert a.merge(b).commands == [["a"], ["b"]]
+
+
+def test_a_cancelled_recording_stops_everything_it_started(image):
+    """SIGTERM (a cancelled CI job) while the container runs: the embedded node's
+    container, containerd, shims, shoal node and layer file system are stopped, its mounts
+    undone and its directory removed; exit 130."""
+    import signal
+    import time
+
+    ref, _ = image
+    before = set(Path("/tmp").glob("shoal-rec-*"))
+    proc = subprocess.Popen([SHOAL, "profile", "record", ref, "--timeout", "300", "--out", "/dev/null", "--",
+                             "/bin/sleep", "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        started = []
+        while not started and time.monotonic() < deadline and proc.poll() is None:
+            started = [d for d in set(Path("/tmp").glob("shoal-rec-*")) - before if (d / "logs/container.log").exists()]
+            time.sleep(0.1)
+        assert started, proc.stderr.read() if proc.poll() is not None else "no container started"
+        address = str(started[0] / "c.sock")
+        time.sleep(1.0)  # the container runs
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in err
+    assert embedded_leftovers() == []
+    from prefetch.embedded import shim_pids
+
+    assert shim_pids(address) == []
