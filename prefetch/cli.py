@@ -172,8 +172,9 @@ def _node_list(args: argparse.Namespace) -> list[str]:
     try:
         if args.nodes:
             names = [n.strip() for n in args.nodes.split(",") if n.strip()]
-            for n in names:
-                expand(n)  # the same character and length rules as a hostlist
+            for n in names:  # plain names: the characters and length of a hostlist's
+                if expand(n) != [n]:
+                    raise FormatError(f"--nodes: {n[:80]!r} is not one node name (use --nodelist for ranges)")
         elif args.nodelist:
             names = expand(args.nodelist)
         else:

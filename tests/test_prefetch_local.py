@@ -154,8 +154,20 @@ def test_no_node_at_root_is_one_line(image, tmp_path):
     (["--region", "http://127.0.0.1:1", "--nodelist", ""], "name the job's nodes once"),
     (["--region", "http://127.0.0.1:1", "--nodelist", ",,"], "the node list is empty"),
     (["--region", "http://127.0.0.1:1"], "name the job's nodes once"),
+    (["--region", "http://127.0.0.1:1", "--nodes", "a,n[1-2]"], "is not one node name"),
+    (["--region", "http://127.0.0.1:1", "--nodes", "a", "--nodelist", "b"], "name the job's nodes once"),
+    (["--region", "http://127.0.0.1:1", "--nodes-file", "/nonexistent"], "--nodes-file /nonexistent"),
 ])
 def test_usage_errors_exit_2_with_one_line(args, message):
     proc = shoal("prefetch", "127.0.0.1:1/x:y", *args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_region_mode_checks_its_node_list_then_says_it_is_not_here_yet(tmp_path):
+    nodes = tmp_path / "nodes"
+    nodes.write_text("gpu[001-004]  # rack 1\ncpu7\n")
+    for flags in (["--nodelist", "gpu[001-128,200],cpu7"], ["--nodes", "a,b"], ["--nodes-file", str(nodes)]):
+        proc = shoal("prefetch", "127.0.0.1:1/x:y", "--region", "http://127.0.0.1:1", *flags, "--wait")
+        assert proc.returncode == 1 and "the region preheat API (--region) is not in this version" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
