@@ -14,7 +14,13 @@ plain manifests and tags is needed):
               one layer {mediaType PROFILE_MEDIA_TYPE}, annotation MANIFEST_ANNOTATION
     blob:     {"schemaVersion": 1, "manifest": "sha256:...",
                "layers": ["sha256:...", ...],                 the image's layer digests
-               "chunks": [[layer index, start, end], ...]}    compressed byte ranges
+               "chunks": [[layer index, start, end], ...],    compressed byte ranges
+               "commands": [["/bin/sh", "-c", "..."], ...]}   what the recordings ran (optional)
+
+`commands` names the command each recording ran (`shoal profile record`; [] for "the
+image's own command", absent in profiles written before it existed). Recordings of one
+image merge (`merge`): the union of their chunks in first-use order (the older profile's
+order first, then what the newer one adds), and their commands in order.
 
 A profile is only a hint: its ranges are checked against each layer's TOC (a range that
 is not a chunk is skipped) and every chunk is verified by its digest as always. A bad or
@@ -34,7 +40,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from builder.oci.base import Manifest
 from builder.oci.documents import load_document, parse_manifest
@@ -49,6 +55,9 @@ CONFIG_MEDIA_TYPE = "application/vnd.shoal.profile.config.v1+json"
 MANIFEST_ANNOTATION = "io.github.shoal.profile.manifest"
 MAX_PROFILE_BYTES = 64 << 20
 MAX_CHUNKS = 1_000_000
+MAX_COMMANDS = 64  # recordings named in one profile (the oldest go first)
+MAX_COMMAND_ARGS = 256
+MAX_ARG = 4096  # characters
 
 
 def profile_tag(manifest_digest: str) -> str:
@@ -61,6 +70,7 @@ def profile_tag(manifest_digest: str) -> str:
 class Profile:
     manifest: str  # the image manifest's digest
     chunks: list[tuple[str, int, int]]  # (layer digest, start, end) in order of first use
+    commands: list[list[str]] = field(default_factory=list)  # what each recording ran
 
     @property
     def layers(self) -> list[str]:
@@ -73,12 +83,23 @@ class Profile:
     def to_json(self, layer_order: Sequence[str] | None = None) -> bytes:
         layers = list(layer_order) if layer_order else self.layers
         index = {d: i for i, d in enumerate(layers)}
-        return json.dumps({
+        doc = {
             "schemaVersion": 1,
             "manifest": self.manifest,
             "layers": layers,
             "chunks": [[index[d], a, b] for d, a, b in self.chunks if d in index],
-        }, separators=(",", ":")).encode()
+        }
+        if self.commands:
+            doc["commands"] = self.commands
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def merge(self, newer: Profile) -> Profile:
+        """This profile's chunks, then those of `newer` it lacks (first-use order, each
+        range once, at most MAX_CHUNKS); the commands of both (the last MAX_COMMANDS)."""
+        if newer.manifest != self.manifest:
+            raise FormatError(f"profiles of {self.manifest} and {newer.manifest} do not merge: not one image")
+        chunks = list(dict.fromkeys([*self.chunks, *newer.chunks]))[:MAX_CHUNKS]
+        return Profile(self.manifest, chunks, [*self.commands, *newer.commands][-MAX_COMMANDS:])
 
     @classmethod
     def from_json(cls, data: bytes, manifest: str, layers: Iterable[str] | None = None) -> Profile:
@@ -105,7 +126,7 @@ class Profile:
                     and 0 <= e[0] < len(names) and 0 <= e[1] < e[2]):
                 raise FormatError(f"{what}: bad chunk entry {str(e)[:80]}")
             chunks[(names[e[0]], e[1], e[2])] = None
-        return cls(manifest, list(chunks))
+        return cls(manifest, list(chunks), _commands(doc.get("commands", []), what))
 
     def bounded(self, max_bytes: int) -> Profile:
         """The longest prefix of the profile whose ranges add up to at most `max_bytes`
@@ -114,8 +135,19 @@ class Profile:
         for i, (_, start, end) in enumerate(self.chunks):
             total += end - start
             if total > max_bytes:
-                return Profile(self.manifest, self.chunks[:i])
+                return Profile(self.manifest, self.chunks[:i], self.commands)
         return self
+
+
+def _commands(value: object, what: str) -> list[list[str]]:
+    """A profile's "commands" field, checked (FormatError)."""
+    if not isinstance(value, list) or len(value) > MAX_COMMANDS:
+        raise FormatError(f"{what}: commands must be a list of at most {MAX_COMMANDS} commands")
+    for c in value:
+        if not (isinstance(c, list) and len(c) <= MAX_COMMAND_ARGS
+                and all(isinstance(a, str) and len(a) <= MAX_ARG for a in c)):
+            raise FormatError(f"{what}: bad command {str(c)[:80]} (want a list of at most {MAX_COMMAND_ARGS} strings)")
+    return value
 
 
 def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,

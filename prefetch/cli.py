@@ -1,9 +1,15 @@
-"""`shoal profile`: record which chunks an image's start reads, and publish it.
+"""`shoal prefetch` (warm nodes for an image) and `shoal profile` (record which chunks an
+image's start reads, and publish it).
 
+    shoal prefetch REF --root DIR [--mode profile|full] [--wait] [--timeout S] [--json]
+
+    shoal profile record REF [--timeout S] (--push | --out FILE) [-- CMD ARGS...]
     shoal profile save REF [--root ROOT] (--push | --out FILE) [--plain-http]
     shoal profile show REF [--plain-http] [--json]
 
-`save` takes what the node at ROOT noted while containers of REF ran (every chunk their
+`record` runs the image once on an embedded node (prefetch/embedded.py) and publishes
+what its start read, merged with what earlier recordings published (the CI step after
+`shoal convert`). `save` takes what the node at ROOT noted while containers of REF ran (every chunk their
 reads used, in order of first use) and publishes it next to the image
 (builder/profile.py). Nodes that prepare the image afterwards fetch those chunks first, in
 large requests, while containerd prepares the layers.
@@ -22,6 +28,12 @@ DEFAULT_ROOT = "/var/lib/shoal"
 
 def _resolve(ref: str, plain_http: bool, platform: str | None):
     """(DockerRef, plain HTTP?, manifest digest, layer digests) of an image in a registry."""
+    parsed, plain, manifest, descriptors = _resolve_descriptors(ref, plain_http, platform)
+    return parsed, plain, manifest, [d.digest for d in descriptors]
+
+
+def _resolve_descriptors(ref: str, plain_http: bool, platform: str | None):
+    """(DockerRef, plain HTTP?, manifest digest, layer descriptors) of an image in a registry."""
     from builder.oci.documents import parse_manifest
     from builder.oci.registry import RegistrySource
     from snapshotter.pull import image_ref, resolve_manifest
@@ -32,8 +44,7 @@ def _resolve(ref: str, plain_http: bool, platform: str | None):
         _, manifest, _ = resolve_manifest(src, ref, platform)
     finally:
         src.close()
-    layers = [d.digest for d in parse_manifest(manifest.data, ref).layers]
-    return parsed, plain, manifest.digest, layers
+    return parsed, plain, manifest.digest, parse_manifest(manifest.data, ref).layers
 
 
 def _summary(ref: str, profile, where: str) -> dict:
@@ -42,6 +53,7 @@ def _summary(ref: str, profile, where: str) -> dict:
         "image": ref, "manifest": profile.manifest, "chunks": len(profile.chunks),
         "compressed_bytes": profile.compressed_bytes,
         "layers": [{"digest": d, "chunks": n} for d, n in per_layer.items()], "where": where,
+        "commands": profile.commands,
     }
 
 
@@ -56,7 +68,7 @@ def _print(summary: dict, as_json: bool) -> None:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from builder.profile import Profile, push_profile
+    from builder.profile import Profile
     from snapshotter.fs.client import FSClient
 
     if not args.push and not args.out:
@@ -70,6 +82,14 @@ def cmd_save(args: argparse.Namespace) -> int:
         raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
                          "start a container of it there first")
     profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
+    _print(_summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers)), args.json)
+    return 0
+
+
+def _publish(args: argparse.Namespace, parsed, plain: bool, profile, layers: list[str]) -> str:
+    """Write the profile to --out and/or push it next to the image: where it went."""
+    from builder.profile import push_profile
+
     where = []
     if args.out:
         with open(args.out, "wb") as f:
@@ -77,7 +97,53 @@ def cmd_save(args: argparse.Namespace) -> int:
         where.append(args.out)
     if args.push:
         where.append(push_profile(parsed.host, parsed.repository, profile, layers, plain))
-    _print(_summary(args.ref, profile, "saved to " + ", ".join(where)), args.json)
+    return ", ".join(where)
+
+
+def _interrupt_on_sigterm() -> None:
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from builder.profile import Profile, fetch_profile
+    from builder.zstdchunked import location_from_annotations
+    from prefetch.embedded import EmbeddedNode
+
+    if not args.push and not args.out:
+        raise UsageError("say where the profile goes: --push (next to the image) and/or --out FILE")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most {MAX_TIMEOUT_S} seconds")
+    command = list(args.after_dashes)
+    parsed, plain, manifest, descriptors = _resolve_descriptors(args.ref, args.plain_http, args.platform)
+    layers = [d.digest for d in descriptors]
+    if not any(location_from_annotations(d.annotations) for d in descriptors):
+        raise ShoalError(f"{args.ref}: no layer has a TOC, nothing to record: convert it first (shoal convert)")
+    image = args.ref.removeprefix("docker://")
+    _interrupt_on_sigterm()  # a cancelled CI job still stops what the embedded node started
+    with EmbeddedNode() as node:
+        node.pull(image, plain)
+        code = node.run(image, command, args.timeout)
+        if code not in (0, None):
+            raise ShoalError(f"{image}: the recorded command exited with status {code}, profile not published "
+                             f"(its last line: {node.container_log()})")
+        chunks = node.fs.call("profile", layers=layers)["chunks"]
+    if not chunks:
+        raise ShoalError(f"{image}: its start read nothing of its lazy layers: nothing to record")
+    profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks], [command])
+    recorded = len(profile.chunks)
+    published = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers) if args.push else None
+    if published is not None and not args.replace:
+        profile = published.merge(profile)
+    where = _publish(args, parsed, plain, profile, layers)
+    summary = _summary(args.ref, profile, "saved to " + where)
+    summary.update({"recorded_chunks": recorded, "merged_with": len(published.chunks) if published else 0,
+                    "ran_past_timeout": code is None})
+    _print(summary, args.json)
     return 0
 
 
@@ -92,7 +158,144 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_TIMEOUT_S = 7 * 86400
+
+
+def _node_list(args: argparse.Namespace) -> list[str]:
+    """The nodes named by --nodes, --nodelist (Slurm hostlist syntax) or --nodes-file."""
+    from prefetch.hostlist import expand, unique
+    from shoal.errors import FormatError
+
+    given = [o for o in ("nodes", "nodelist", "nodes_file") if getattr(args, o)]
+    if len(given) != 1:
+        raise UsageError("name the job's nodes once: --nodes A,B | --nodelist EXPR | --nodes-file F")
+    try:
+        if args.nodes:
+            names = [n.strip() for n in args.nodes.split(",") if n.strip()]
+            for n in names:  # plain names: the characters and length of a hostlist's
+                if expand(n) != [n]:
+                    raise FormatError(f"--nodes: {n[:80]!r} is not one node name (use --nodelist for ranges)")
+        elif args.nodelist:
+            names = expand(args.nodelist)
+        else:
+            with open(args.nodes_file, encoding="utf-8", errors="strict") as f:
+                names = expand(" ".join(line.split("#", 1)[0] for line in f))
+    except FormatError as e:
+        raise UsageError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--nodes-file {args.nodes_file}: {getattr(e, 'strerror', None) or e}") from None
+    names = unique(names)
+    if not names:
+        raise UsageError("the node list is empty")
+    return names
+
+
+def _progress_line(image: str):
+    import sys
+    import time
+
+    last = [0.0]
+
+    def show(w) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.2:
+            return
+        last[0] = now
+        loaded = sum(1 for r in w.layers if r["loaded"])
+        sys.stderr.write(f"\r\x1b[K{image}: {w.warm_bytes / 1e6:,.1f} / {w.target_bytes / 1e6:,.1f} MB warm, "
+                         f"{loaded}/{len(w.layers)} layers loaded")
+        sys.stderr.flush()
+
+    return show
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    import sys
+
+    from prefetch.local import default_node_name, warm_local
+
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most {MAX_TIMEOUT_S} seconds")
+    if not 0 < args.ready <= 1:
+        raise UsageError(f"--ready {args.ready:g}: must be more than 0 and at most 1")
+    if args.region:
+        if args.root:
+            raise UsageError("--root warms this node, --region the job's nodes: give one")
+        _node_list(args)
+        raise ShoalError("the region preheat API (--region) is not in this version yet: "
+                         "run `shoal prefetch REF --root DIR` on each node (e.g. from a Slurm Prolog)")
+    if any(getattr(args, o) for o in ("nodes", "nodelist", "nodes_file")):
+        raise UsageError("--nodes, --nodelist and --nodes-file go with --region; --root warms this node alone")
+    if not args.root:
+        raise UsageError("say which node: --root DIR (this node) or --region URL with the job's nodes")
+    fetch: dict = {}
+    if args.config:
+        from dataclasses import asdict
+
+        from snapshotter.node import load_config
+
+        fetch = asdict(load_config(args.config).fetch)
+    parsed, plain, manifest, descriptors = _resolve_descriptors(args.ref, args.plain_http, args.platform)
+    from cache.source import BlobRef
+
+    image = args.ref.removeprefix("docker://")
+    blob = BlobRef(parsed.host, parsed.repository, manifest, None, plain)
+    progress = _progress_line(image) if args.wait and not args.json and sys.stderr.isatty() else None
+    try:
+        result, _ = warm_local(image, blob, manifest, descriptors, args.root, args.mode, fetch,
+                               args.node_name or default_node_name(), args.wait, args.timeout, progress)
+    finally:
+        if progress:
+            sys.stderr.write("\r\x1b[K")
+    node = result["nodes"][0]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{image}  {manifest}: {result['state']} ({args.mode}): node {node['name']} {node['state']}, "
+              f"{node['warm_bytes'] / 1e6:,.1f} of {node['target_bytes'] / 1e6:,.1f} MB in its chunk store"
+              + ("" if result["profile_chunks"] is not None or args.mode == "full"
+                 else "; the image has no access profile: only its TOCs were loaded"))
+    if result["unpacked_layers"]:
+        print(f"shoal prefetch: {image}: {len(result['unpacked_layers'])} layers have no TOC and are not warmed "
+              f"(unpacked at prepare: {result['unpacked_layers'][0]}, ...)", file=sys.stderr)
+    if result["state"] in ("timeout", "failed"):
+        why = f"timed out after {args.timeout:g}s" if result["state"] == "timeout" else "failed"
+        print(f"shoal prefetch: {image}: node {node['name']} not warm ({why}): {node['error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_parser(sub) -> None:
+    f = sub.add_parser(
+        "prefetch", help="warm nodes for an image before a job starts it (the job-launch hook)",
+        description=(
+            "Warm nodes for REF: load the TOCs of its lazy layers into each node's layer file system and fetch "
+            "the chunks its access profile names (--mode profile) or every chunk of its lazy layers (--mode full) "
+            "into each node's chunk store. Warmth is measured by the node, not assumed. --root DIR warms this "
+            "node alone, through its running `shoal node --root DIR` (per-node hooks such as a Slurm Prolog)."
+        ),
+        epilog="exit status: 0 warm (or, without --wait, handed to the node), 1 not warm by --timeout or "
+        "failed (one line naming what is not warm), 2 usage error.",
+    )
+    f.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (docker:// optional)")
+    f.add_argument("--root", help="warm the node whose --root this is (its layer file system must run)")
+    f.add_argument("--region", metavar="URL", help="the region whose preheat API warms --nodes (not in this version)")
+    f.add_argument("--nodes", metavar="A,B,...", help="the job's nodes (with --region)")
+    f.add_argument("--nodelist", metavar="EXPR", help="the job's nodes in Slurm hostlist syntax, e.g. gpu[001-128]")
+    f.add_argument("--nodes-file", metavar="FILE", help="the job's nodes, in hostlist syntax, one or more a line")
+    f.add_argument("--mode", choices=("profile", "full"), default="profile",
+                   help="profile: the chunks of the image's access profile (default); full: whole lazy layers")
+    f.add_argument("--wait", action="store_true", help="wait until warm (progress on a terminal)")
+    f.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds to wait (default 600)")
+    f.add_argument("--ready", type=float, default=1.0, metavar="F",
+                   help="with --region: the fraction of nodes that must be warm (default 1)")
+    f.add_argument("--node-name", help="this node's name in the result (default: the host name)")
+    f.add_argument("--config", metavar="FILE", help="the node's configuration file (for [fetch] settings)")
+    f.add_argument("--plain-http", action="store_true", help="HTTP to the registry (default for loopback)")
+    f.add_argument("--platform", help="os/arch of an index (default: this machine's)")
+    f.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    f.set_defaults(func=cmd_prefetch)
+
     p = sub.add_parser(
         "profile", help="record and publish which chunks an image's start reads (prefetched by nodes)",
         description=(
@@ -102,7 +305,27 @@ def add_parser(sub) -> None:
             "those chunks in large requests before the container asks for them ([fetch] prefetch_profiles)."
         ),
     )
-    ps = p.add_subparsers(dest="profile_command", metavar="{save,show}", required=True)
+    ps = p.add_subparsers(dest="profile_command", metavar="{record,save,show}", required=True)
+    r = ps.add_parser(
+        "record", help="run an image once on an embedded node and publish what its start read (the CI step)",
+        description="Start REF once on a node of its own (shoal node and containerd under a temporary "
+        "directory, removed after), with CMD if given after `--` (else the image's own command), until it "
+        "exits or --timeout passes, and make what that start read REF's access profile. With --push, a "
+        "profile already published for REF is merged with this recording (the union of their chunks in "
+        "first-use order; --replace publishes this recording alone). The profile names the commands it "
+        "was recorded with. Needs root, containerd and runc, as `shoal node` does.",
+        usage="shoal profile record REF [--timeout S] [--push] [--out FILE] [--replace] [-- CMD ARGS...]")
+    r.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (a converted image)")
+    r.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds the container may run; then it is stopped and what it read so far counts "
+                   "(default 60)")
+    r.add_argument("--push", action="store_true", help="push the profile next to the image in its registry")
+    r.add_argument("--out", metavar="FILE", help="write the profile's JSON to FILE")
+    r.add_argument("--replace", action="store_true", help="do not merge with the profile already published")
+    r.add_argument("--plain-http", action="store_true", help="HTTP to the registry (default for loopback)")
+    r.add_argument("--platform", help="os/arch of an index (default: this machine's)")
+    r.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    r.set_defaults(func=cmd_record, after_dashes=[])
     s = ps.add_parser("save", help="publish what a node read of an image",
                       description="Turn what the node at --root read of REF's layers (since its layer file "
                       "system started) into REF's access profile. Run REF's start on that node first.")

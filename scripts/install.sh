@@ -16,6 +16,7 @@ APT_PACKAGES=(
   debootstrap                       # the Debian base of the torch test/bench image
   golang-go golang-github-containerd-containerd-dev  # containerd's snapshotter conformance suite (tests/conformance)
   systemd                           # systemd-analyze verify on deploy/systemd/ (tests/test_deploy.py)
+  slurmctld slurmd slurm-client munge  # Slurm hostlists (scontrol) and the job-launch hook test (deploy/slurm/)
 )
 
 missing=()

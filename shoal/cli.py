@@ -200,9 +200,26 @@ COMMAND_MODULES = ["cache.region.cli", "snapshotter.cli", "snapshotter.client_cl
                    "snapshotter.doctor", "prefetch.cli"]
 
 
+# Subcommands that run a command of the user's: `shoal profile record REF ... -- CMD ARGS`
+# gets CMD ARGS as `args.after_dashes`, whatever they look like (argparse alone would
+# take their options as ours).
+TAKES_COMMAND = [("profile", "record")]
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    if "--" in argv:
+        i = argv.index("--")
+        words = [a for a in argv[:i] if not a.startswith("-")]
+        if any(tuple(words[: len(c)]) == c for c in TAKES_COMMAND):
+            args = parser.parse_args(argv[:i])
+            args.after_dashes = argv[i + 1 :]
+            return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="shoal: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

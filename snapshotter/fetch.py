@@ -211,6 +211,15 @@ class NodeChunkLoader:
         self._order = [unique[k] for k in sorted(unique)]
         self._position = {c.start: i for i, c in enumerate(self._order)}
 
+    def layout(self) -> list[Chunk]:
+        """Every chunk of the layer with content, once, in blob order (set_layout)."""
+        return list(self._order)
+
+    def stored(self, digest: str) -> bool:
+        """The chunk is in the node's chunk store (or on its way there): what "warm" means."""
+        contains = getattr(self.cache, "contains", None)
+        return bool(contains is not None and contains(digest))
+
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):
             return True

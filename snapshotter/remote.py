@@ -34,7 +34,7 @@ from builder.convert import _Decompressing
 from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
-from builder.profile import fetch_profile
+from builder.profile import Profile, fetch_profile
 from builder.zstdchunked import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
@@ -105,6 +105,7 @@ class RemoteLayers:
         self._warm_pool = ThreadPoolExecutor(4, thread_name_prefix="shoal-warm")
         self.warmed_layers = 0
         self.prefetched_images = 0  # images whose access profile was handed to the layer fs
+        self.warm_errors: dict[str, str] = {}  # layer digest -> why its last warm-up failed
         self._diff_ids: dict[str, str] = {}  # unpacked folder -> the diff_id its unpack computed
 
     # --- the seam -------------------------------------------------------------------------
@@ -158,12 +159,14 @@ class RemoteLayers:
             self._warmed.add(manifest_digest)
         self._warm_pool.submit(self._warm_layers, blob, manifest_digest, image)
 
-    def _warm_layers(self, blob: BlobRef, manifest_digest: str, image: str) -> None:
+    def _warm_layers(self, blob: BlobRef, manifest_digest: str, image: str) -> Profile | None:
+        """Load the TOCs of the image's lazy layers other than `blob` (on the warm-up
+        pool) and hand its access profile to the layer fs; returns that profile."""
         try:
             layers = self._manifest_layers(blob, manifest_digest)
         except (ShoalError, OSError, ValueError) as e:
             log.info("%s: no warm-up of the image's layers: %s", image, e)
-            return
+            return None
         for desc in layers:
             if not isinstance(desc, dict) or desc.get("digest") == blob.digest:
                 continue
@@ -175,24 +178,24 @@ class RemoteLayers:
             except ShoalError:
                 continue  # its prepare reports it
             self._warm_pool.submit(self._warm_layer, other, desc, image)
-        self._prefetch_profile(blob, manifest_digest, image, layers)
+        return self._prefetch_profile(blob, manifest_digest, image, layers)
 
-    def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list) -> None:
+    def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list) -> Profile | None:
         """If the image has a published access profile (builder/profile.py), hand it to
         the layer file system, which fetches its chunks in its order as each layer is
         loaded: while containerd still prepares the layers, before the container's
-        first read."""
+        first read. Returns the profile handed over (bounded), or None."""
         if not self.config.get("prefetch_profiles", True):
-            return
+            return None
         digests = [d.get("digest") for d in layers if isinstance(d, dict)]
         try:
             profile = fetch_profile(blob.registry, blob.repository, manifest_digest, blob.plain_http, digests)
         except (ShoalError, OSError, ValueError) as e:
             log.warning("%s: access profile of %s not used: %s", image, manifest_digest, e)
-            return
+            return None
         if profile is None:
             log.info("%s: no access profile for %s", image, manifest_digest)
-            return
+            return None
         limit = int(self.config.get("prefetch_max_bytes", 8 << 30))
         bounded = profile.bounded(limit)
         if bounded is not profile:
@@ -205,11 +208,12 @@ class RemoteLayers:
             queued = self.fs.call("prefetch", chunks=[list(c) for c in profile.chunks])["queued"]
         except (ShoalError, OSError) as e:
             log.warning("%s: prefetch of its access profile: %s", image, e)
-            return
+            return None
         with self._locks_lock:
             self.prefetched_images += 1
         log.info("%s: access profile: %d chunks (%.1f MB), %d of them queued now, the rest as their layers load",
                  image, len(profile.chunks), profile.compressed_bytes / 1e6, queued)
+        return profile
 
     def _warm_layer(self, blob: BlobRef, desc: dict, image: str) -> None:
         lock = self._lock_for(blob.digest)
@@ -219,7 +223,9 @@ class RemoteLayers:
             self._lazy(blob, desc, image)
             with self._locks_lock:
                 self.warmed_layers += 1
+                self.warm_errors.pop(blob.digest, None)
         except (ShoalError, OSError) as e:
+            self.warm_errors[blob.digest] = str(e)
             log.info("%s: warm-up of layer %s: %s (its prepare will try again)", image, blob.digest, e)
         finally:
             lock.release()

@@ -4,6 +4,8 @@
   temporary directory (see tests.services.start_containerd); `.ctr(...)` runs ctr in the
   `shoal-test` namespace. Stopped by PID on teardown, mounts under it undone, its
   directories removed. Tests using it carry the `containerd` marker.
+- `node_and_containerd`: `shoal node` and a containerd using it as its proxy
+  snapshotter (tests.services.shoal_node_with_containerd): (node, containerd).
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import shutil
 
 import pytest
 
-from tests.services import CONTAINERD_BIN, CTR_BIN, ContainerdServer, start_containerd
+from tests.services import (
+    CONTAINERD_BIN,
+    CTR_BIN,
+    ContainerdServer,
+    shoal_node_with_containerd,
+    start_containerd,
+)
 
 RUNC_BIN = "/usr/sbin/runc"
 
@@ -31,7 +39,7 @@ def containerd_missing() -> str | None:
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start containerd carry the `containerd` marker (`-m "not containerd"`)."""
     for item in items:
-        if "containerd" in getattr(item, "fixturenames", ()):
+        if {"containerd", "node_and_containerd"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.containerd)
 
 
@@ -49,3 +57,12 @@ def containerd(tmp_path_factory) -> ContainerdServer:
             server.stop()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def node_and_containerd():
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    with shoal_node_with_containerd("shoal-node-") as pair:
+        yield pair

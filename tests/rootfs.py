@@ -113,3 +113,23 @@ def special_layer(root: Path, entries: int = 3000) -> Path:
     for i in range(entries):
         (many / f"entry-{i:05d}").write_text(f"{i}\n")
     return root
+
+
+def lazy_app_image(registry, root: Path, repo: str, cmd: list[str]) -> tuple[str, str, dict]:
+    """busybox + python + delta layers pushed as REPO:gzip and converted to REPO:lazy:
+    (gzip reference, lazy reference, the lazy image's manifest)."""
+    import json
+
+    from builder.convert import convert
+    from builder.oci.fromdir import ImageConfig, build_image
+    from builder.oci.refs import open_source
+
+    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
+    gz = f"{registry.host}/{repo}:gzip"
+    build_image([str(p) for p in layers], f"docker://{gz}", ImageConfig(cmd=cmd), plain_http=True,
+                workdir=str(root))
+    lazy = f"{registry.host}/{repo}:lazy"
+    convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
+    with open_source(f"docker://{lazy}", plain_http=True) as s:
+        manifest = json.loads(s.get_root().data)
+    return gz, lazy, manifest

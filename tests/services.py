@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2p.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
+from prefetch.embedded import containerd_config, shim_pids, stop_process
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 START_TIMEOUT = 20.0
@@ -73,6 +74,10 @@ class RegistryServer:
         ]
         return len(hits), sum(r.written for r in hits)
 
+    def layer_bytes(self, manifest: dict) -> int:
+        """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest)."""
+        return sum(self.count("GET", ly["digest"])[1] for ly in manifest["layers"])
+
     def stop(self) -> None:
         stop_process(self._proc)
 
@@ -81,18 +86,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen | None) -> None:
-    """Terminate by PID, kill after STOP_TIMEOUT, reap."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _answers(url: str) -> bool:
@@ -288,30 +281,13 @@ class ContainerdServer:
             except (CtrError, subprocess.TimeoutExpired, OSError):
                 continue
 
-    def _shim_pids(self) -> list[int]:
-        """Shims this containerd started (their command line names our socket)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    argv = fh.read().split(b"\0")
-            except OSError:
-                continue
-            if b"-address" in argv:
-                i = argv.index(b"-address")
-                if i + 1 < len(argv) and argv[i + 1] == self.address.encode():
-                    pids.append(int(entry))
-        return pids
-
     def stop(self) -> None:
         """Stop containers, containerd (by PID, killed after a timeout) and its shims,
         unmount whatever is left under its directories, and remove them."""
         if self._proc is not None and self._proc.poll() is None:
             self._kill_tasks()
         stop_process(self._proc)
-        for pid in self._shim_pids():
+        for pid in shim_pids(self.address):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -358,29 +334,6 @@ def cri_config(snapshotter: str, registries: list[str], sandbox_image: str, cni_
     return "\n".join(lines) + "\n"
 
 
-def _containerd_config(root: Path, state: Path, address: str, extra: str = "", cri: bool = False) -> str:
-    q = _q
-    return "\n".join([
-        "version = 2",
-        f"root = {q(root)}",
-        f"state = {q(state)}",
-        *([] if cri else ['disabled_plugins = ["io.containerd.grpc.v1.cri"]']),
-        "[grpc]",
-        f"  address = {q(address)}",
-        "[ttrpc]",
-        f"  address = {q(address + '.ttrpc')}",
-        "[debug]",
-        '  address = ""',
-        '  level = "info"',
-        "[metrics]",
-        '  address = ""',
-        '[plugins."io.containerd.internal.v1.opt"]',
-        f"  path = {q(root / 'opt')}",  # default /opt/containerd
-        "",
-        extra,
-    ])
-
-
 def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | None = None) -> ContainerdServer:
     """Start /usr/bin/containerd with root, state and socket inside `workdir` (or, when
     that path is too long for a unix socket, a short private directory under /tmp).
@@ -399,7 +352,8 @@ def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | Non
         socket_dir = Path(tempfile.mkdtemp(prefix="shoal-ctd-", dir="/tmp"))
         address = str(socket_dir / "c.sock")
     config_path = workdir / "containerd.toml"
-    config_path.write_text(_containerd_config(root, state, address, extra_config + "\n" + (cri or ""), cri is not None))
+    config_path.write_text(containerd_config(str(root), str(state), address, extra_config + "\n" + (cri or ""),
+                                             cri=cri is not None))
     created_run_dirs = missing_dirs(*_CONTAINERD_RUN_DIRS)
     log_path = workdir / "containerd.log"
     with open(log_path, "wb") as log:

@@ -670,6 +670,11 @@ def _check_converted(target: str, docker_config) -> None:
     report = json.loads(proc.stdout)
     layers = [ly for m in report["manifests"] for ly in m["layers"]]
     assert report["ok"] and layers and all(ly["zstd_chunked"] and ly["verified"] for ly in layers), report
+    # the profile step recorded the image's start on an embedded node and pushed it
+    shown = subprocess.run([SHOAL, "profile", "show", target, "--plain-http", "--json"], check=False,
+                           capture_output=True, text=True, env=os.environ | {"DOCKER_CONFIG": str(docker_config.path)})
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["chunks"] > 0
 
 
 def test_github_actions_steps_convert_verify_and_push(basic_registry, docker_config, tmp_path):

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.convert import convert
-from builder.oci.fromdir import ImageConfig, build_image
-from builder.oci.refs import open_source
-from tests.fixtures_services import containerd_missing
-from tests.rootfs import busybox_layer, delta_layer, python_layer
+from tests.rootfs import lazy_app_image
 from tests.services import (
     SHOAL,
     NodeProcess,
@@ -36,25 +32,7 @@ def registry(module_registry):
 
 @pytest.fixture(scope="module")
 def images(registry, tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e image")
-    layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
-    gz = f"{registry.host}/e2e/app:gzip"
-    build_image([str(p) for p in layers], f"docker://{gz}", ImageConfig(cmd=CMD), plain_http=True,
-                workdir=str(root))
-    lazy = f"{registry.host}/e2e/app:lazy"
-    convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
-    with open_source(f"docker://{lazy}", plain_http=True) as s:
-        manifest = json.loads(s.get_root().data)
-    return gz, lazy, manifest
-
-
-@pytest.fixture
-def node_and_containerd():
-    reason = containerd_missing()
-    if reason:
-        pytest.skip(reason)
-    with shoal_node_with_containerd("shoal-e2e-") as pair:
-        yield pair
+    return lazy_app_image(registry, tmp_path_factory.mktemp("e2e image"), "e2e/app", CMD)
 
 
 def shoal_json(*args: str) -> dict:

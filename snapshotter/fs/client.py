@@ -89,3 +89,16 @@ class FSClient:
             time.sleep(0.05)
         if os.path.ismount(self.mnt):
             subprocess.run(["umount", "-l", self.mnt], check=False)
+        # After the unmount the server still writes pending chunks to ROOT/chunks: gone
+        # means the process has exited, so nothing writes under ROOT after stop().
+        while time.monotonic() < deadline and _alive(self.pid):
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -10,8 +10,8 @@ restart of the node's control plane (gRPC, asyncio) does not take running contai
 files away: the node reconnects to this server by its socket. On start it loads every
 layer found under ROOT/layers, so a reboot restores the mounts too.
 
-Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks},
-prove {id, urgent?}, mark_bad {id, reason}.
+Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks? whole?},
+warmth {chunks? whole?}, prove {id, urgent?}, mark_bad {id, reason}.
 
 Proofs (fs/proof.py): `prove` answers, once it is known, the diff_id the layer's whole
 blob decompresses to, {"diff_id"} or {"error", "final"}. One computation per layer
@@ -251,6 +251,35 @@ class LayerFS(pyfuse3.Operations):
             self._prefetch_pool.submit(self._prefetch_job, loader, chunks)
         self.prefetch_queued += queued
         return queued
+
+    def whole_layers(self, digests) -> list[list]:
+        """Every chunk of the loaded layers among `digests`, as profile entries (a layer
+        not loaded has none yet)."""
+        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
+        return [[d, c.start, c.end] for d in digests if d in by_digest
+                for c in getattr(by_digest[d].loader, "layout", list)()]
+
+    def warmth(self, entries) -> list[dict]:
+        """How much of `entries` (profile entries, or whole_layers) is in the chunk store,
+        per layer named: {digest, loaded, target_chunks, target_bytes, warm_chunks,
+        warm_bytes} (compressed bytes). Entries that are not chunks of their layer do not
+        count (prefetch skips them too); a layer not loaded is not warm."""
+        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
+        out: dict[str, dict] = {}
+        for entry in entries:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
+                continue
+            row = out.setdefault(entry[0], {"digest": entry[0], "loaded": entry[0] in by_digest, "target_chunks": 0,
+                                            "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0})
+            layer = by_digest.get(entry[0])
+            chunks_at = getattr(layer.loader, "chunks_at", None) if layer else None
+            for c in chunks_at([entry[1:]]) if chunks_at else []:
+                row["target_chunks"] += 1
+                row["target_bytes"] += c.end - c.start
+                if layer.loader.stored(c.digest):
+                    row["warm_chunks"] += 1
+                    row["warm_bytes"] += c.end - c.start
+        return list(out.values())
 
     def _prefetch_job(self, loader, chunks) -> None:
         done = 0
@@ -613,10 +642,18 @@ async def _dispatch(fs: LayerFS, line: bytes) -> dict:
             fs.mark_bad(str(req["id"]), str(req.get("reason") or "marked bad"))
             await trio.to_thread.run_sync(fs.drop_cached_pages, str(req["id"]))
             return {"ok": True}
-        if op == "prefetch":
-            entries = req.get("chunks")
-            if not isinstance(entries, list):
-                raise ValueError("prefetch needs a list of chunks")
+        if op in ("prefetch", "warmth"):
+            entries, whole = req.get("chunks", []), req.get("whole", [])
+            if not isinstance(entries, list) or not isinstance(whole, list):
+                raise ValueError(f"{op} needs lists of chunks and of whole layers")
+            entries = entries + fs.whole_layers(whole)
+            if op == "warmth":  # (whole layers not loaded yet: named, not warm)
+                rows = fs.warmth(entries)
+                named = {r["digest"] for r in rows}
+                loaded = {layer.blob.digest for layer in fs.layers.values()}
+                rows += [{"digest": d, "loaded": d in loaded, "target_chunks": 0, "target_bytes": 0, "warm_chunks": 0,
+                          "warm_bytes": 0} for d in whole if isinstance(d, str) and d not in named]
+                return {"ok": True, "layers": rows, "prefetch": fs.status()["prefetch"]}
             return {"ok": True, "queued": fs.prefetch(entries)}
         return {"ok": False, "error": f"unknown op {op!r}"}
     except (ShoalError, OSError, ValueError, KeyError) as e:

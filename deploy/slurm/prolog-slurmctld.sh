@@ -1,0 +1,31 @@
+#!/bin/sh
+# shoal's PrologSlurmctld: warm every node of a job through the region's preheat API,
+# once per job, on the controller (the region fetches each byte from the origin once and
+# the nodes share it through the swarm).
+#
+#     PrologSlurmctld=/usr/lib/shoal/slurm/prolog-slurmctld.sh
+#     sbatch --comment="shoal:HOST/REPO:TAG" -N 512 job.sh
+#
+# It runs `shoal prefetch REF --region URL --nodelist "$SLURM_JOB_NODELIST" --wait`.
+# NOTE: the region preheat API is not in this version of shoal yet (`shoal prefetch
+# --region` says so and exits 1); until it is, use the per-node prolog.sh. The same
+# settings file and policies as prolog.sh, with SHOAL_REGION_URL and SHOAL_PREFETCH_READY
+# (the fraction of nodes that must be warm). Policies:
+#   continue  (default) exit 0 whatever happened: the job starts, nodes warm lazily
+#   fail      exit 1: Slurm requeues the job (a batch job) to run later; no node is drained
+. "$(dirname "$0")/prolog-common.sh"
+nodes=${SLURM_JOB_NODELIST:-}
+[ -n "$image" ] || exit 0
+if [ -z "$SHOAL_REGION_URL" ]; then
+    log shoal-prolog-slurmctld "nodes=$nodes image=$image no SHOAL_REGION_URL set: not warmed"
+    exit 0
+fi
+
+run_prefetch --region "$SHOAL_REGION_URL" --nodelist "$nodes" --ready "$SHOAL_PREFETCH_READY"
+if [ "$rc" -eq 0 ]; then
+    log shoal-prolog-slurmctld "nodes=$nodes image=$image state=ready seconds=$took: $summary"
+    exit 0
+fi
+log shoal-prolog-slurmctld "nodes=$nodes image=$image state=not-ready rc=$rc seconds=$took policy=$SHOAL_PREFETCH_POLICY: $summary"
+[ "$SHOAL_PREFETCH_POLICY" = fail ] && exit 1
+exit 0

@@ -1,0 +1,172 @@
+"""Warm the local node for an image: `shoal prefetch REF --root DIR` (per-node hooks).
+
+What "warm" means is measured by the node's layer file system (its `warmth` op), never
+assumed from a finished request:
+
+- mode "profile": every lazy layer's TOC is loaded, and every chunk of the image's
+  published access profile (bounded by `[fetch] prefetch_max_bytes`) is in the node's
+  chunk store;
+- mode "full": every lazy layer's TOC is loaded, and every chunk of every lazy layer
+  (its whole content; tar headers are never read lazily) is in the chunk store.
+
+Layers without a TOC (to be unpacked at prepare) are not warmed here; they are named in
+the result (`unpacked_layers`). The work is the node's own: the layers are loaded by
+RemoteLayers' warm-up (snapshotter/remote.py, as at an image's first prepare) and the
+chunks fetched by the layer file system's prefetch threads through the node's fetch
+chain, so they land in its store and a later `shoal pull` + start finds them there.
+
+States: the image is "ready" (warm), "running" (not yet; returned without --wait),
+"timeout" or "failed"; the node "warm", "warming", "timeout" or "failed" with an error.
+A prefetch that stops making progress is asked again (chunks already here are skipped);
+after STALLED_ROUNDS rounds without a new chunk it has failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from builder.zstdchunked import location_from_annotations
+from cache.source import BlobRef
+from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.prefetch")
+
+MODES = ("profile", "full")
+POLL_S = 0.2
+STALLED_ROUNDS = 5  # re-asked prefetches in a row that brought no chunk: failed
+
+
+@dataclass
+class Warmth:
+    """What the node's layer file system measured for one image."""
+
+    layers: list[dict]  # the warmth op's rows, one per lazy layer
+    jobs_pending: int = 0
+
+    @property
+    def target_bytes(self) -> int:
+        return sum(r["target_bytes"] for r in self.layers)
+
+    @property
+    def warm_bytes(self) -> int:
+        return sum(r["warm_bytes"] for r in self.layers)
+
+    @property
+    def not_loaded(self) -> list[str]:
+        return [r["digest"] for r in self.layers if not r["loaded"]]
+
+    @property
+    def warm(self) -> bool:
+        return not self.not_loaded and self.warm_bytes == self.target_bytes
+
+
+@dataclass
+class LocalPrefetch:
+    """One image's warm-up on the node at `root` (whose layer file system must run)."""
+
+    image: str  # HOST/REPO[:TAG|@DIGEST]
+    blob: BlobRef  # registry, repository and plain HTTP of the image (digest: its manifest)
+    manifest: str
+    descriptors: list  # the manifest's layer descriptors (documents.Descriptor)
+    root: str
+    mode: str = "profile"
+    config: dict = field(default_factory=dict)  # the node's [fetch] table, as a dict
+
+    def __post_init__(self) -> None:
+        from snapshotter.fs.client import FSClient
+        from snapshotter.remote import RemoteLayers
+
+        self.fs = FSClient(self.root, self.config)
+        if not self.fs.running():
+            raise ShoalError(f"no layer file system runs at {self.root}: start `shoal node --root {self.root}` first")
+        # The hook asked for the profile: fetched whatever [fetch] prefetch_profiles says.
+        self.remote = RemoteLayers(self.root, {**self.config, "prefetch_profiles": True}, self.fs)
+        self.lazy = [d.digest for d in self.descriptors if location_from_annotations(d.annotations) is not None]
+        self.unpacked = [d.digest for d in self.descriptors if d.digest not in self.lazy]
+        self.profile = None
+        self._asked: dict = {}
+
+    def start(self) -> None:
+        """Load the lazy layers' TOCs (waits for them) and hand the chunks to fetch to
+        the layer file system (which fetches them on its own threads)."""
+        self.profile = self.remote._warm_layers(self.blob, self.manifest, self.image)
+        self.remote._warm_pool.shutdown(wait=True)
+        if self.mode == "profile":
+            self._asked = {"chunks": [list(c) for c in self.profile.chunks] if self.profile else []}
+        else:
+            self._asked = {"whole": self.lazy}
+            self.fs.call("prefetch", **self._asked)
+
+    def measure(self) -> Warmth:
+        reply = self.fs.call("warmth", **self._asked)
+        rows = {r["digest"]: r for r in reply["layers"]}
+        empty = {"target_chunks": 0, "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0}
+        loaded = {ly["digest"] for ly in self.fs.status().get("layers", [])}
+        layers = [rows.get(d) or {"digest": d, "loaded": d in loaded, **empty} for d in self.lazy]
+        return Warmth(layers, int((reply.get("prefetch") or {}).get("jobs_pending", 0)))
+
+    def wait_warm(self, timeout: float, progress: Callable[[Warmth], None] | None = None) -> tuple[str, Warmth, str]:
+        """Poll until warm or `timeout` seconds pass: (node state, last measure, error)."""
+        deadline = time.monotonic() + timeout
+        stalled, best = 0, -1
+        while True:
+            w = self.measure()
+            if progress:
+                progress(w)
+            if w.warm:
+                return "warm", w, ""
+            failed = {d: self.remote.warm_errors[d] for d in w.not_loaded if d in self.remote.warm_errors}
+            if failed:
+                d, why = next(iter(failed.items()))
+                return "failed", w, f"layer {d} not loaded: {why}"
+            if time.monotonic() >= deadline:
+                return "timeout", w, self.missing(w)
+            if not w.jobs_pending:  # nothing on its way: ask again for what is missing
+                stalled = stalled + 1 if w.warm_bytes <= best else 0
+                best = max(best, w.warm_bytes)
+                if stalled >= STALLED_ROUNDS:
+                    return "failed", w, self.missing(w) + f" (fetches fail: see {self.root}/logs/fs.log)"
+                self.fs.call("prefetch", **self._asked)
+            time.sleep(POLL_S)
+
+    def missing(self, w: Warmth) -> str:
+        if w.not_loaded:
+            return f"{len(w.not_loaded)} of {len(self.lazy)} layers not loaded ({w.not_loaded[0]}, ...)"
+        cold = [r for r in w.layers if r["warm_bytes"] < r["target_bytes"]]
+        chunks = sum(r["target_chunks"] - r["warm_chunks"] for r in cold)
+        return (f"{chunks} chunks ({(w.target_bytes - w.warm_bytes) / 1e6:.1f} MB) of {len(cold)} layers not in the "
+                f"chunk store ({cold[0]['digest']}, ...)" if cold else "")
+
+
+def warm_local(image: str, blob: BlobRef, manifest: str, descriptors: list, root: str, mode: str, config: dict,
+               node_name: str, wait: bool, timeout: float,
+               progress: Callable[[Warmth], None] | None = None) -> tuple[dict, LocalPrefetch]:
+    """Warm the node at `root` for `image`; the result in the preheat API's shape:
+    {"image", "manifest", "state", "mode", "nodes": [{"name", "state", "warm_bytes",
+    "target_bytes", "error"}], "unpacked_layers", "profile_chunks"}."""
+    job = LocalPrefetch(image, blob, manifest, descriptors, root, mode, config)
+    start = time.monotonic()
+    job.start()
+    if wait:
+        node_state, w, error = job.wait_warm(max(0.0, timeout - (time.monotonic() - start)), progress)
+    else:
+        w = job.measure()
+        node_state, error = ("warm" if w.warm else "warming"), ""
+    state = {"warm": "ready", "warming": "running"}.get(node_state, node_state)
+    result = {
+        "image": image, "manifest": manifest, "state": state, "mode": mode,
+        "nodes": [{"name": node_name, "state": node_state, "warm_bytes": w.warm_bytes,
+                   "target_bytes": w.target_bytes, "error": error or None}],
+        "unpacked_layers": job.unpacked,
+        "profile_chunks": len(job.profile.chunks) if job.profile else None,
+        "seconds": round(time.monotonic() - start, 2),
+    }
+    return result, job
+
+
+def default_node_name() -> str:
+    return os.uname().nodename
