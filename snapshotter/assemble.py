@@ -17,19 +17,31 @@ from snapshotter.fetch import NodeChunkLoader, SingleFlight, WriteBehind
 log = logging.getLogger("shoal.node")
 
 
+DEFAULT_READ_DEADLINE = 20.0
+DEFAULT_SOURCE_BACKOFF = 10.0
+
+
 def make_chain(config: dict) -> FetchChain:
+    """The chain, every read of it bounded by `read_deadline` seconds; a source that
+    hangs is skipped for `source_backoff` seconds (up to 3 times that after hangs in a
+    row; cache/source.py)."""
+    deadline = float(config.get("read_deadline", DEFAULT_READ_DEADLINE))
+    backoff = float(config.get("source_backoff", DEFAULT_SOURCE_BACKOFF))
     sources: list[Source] = []
     region = config.get("region_url")
     if region:
         from cache.region.client import RegionSource
 
-        sources.append(RegionSource(region))
-    sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", [])))
+        sources.append(RegionSource(region, read_timeout=deadline))
+    sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", []), read_timeout=deadline))
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
         from p2p.node import swarm_chain
 
-        return swarm_chain(sources, config)
-    return FetchChain(sources)
+        chain = swarm_chain(sources, config)
+    else:
+        chain = FetchChain(sources)
+    chain.deadline, chain.backoff, chain.backoff_max = deadline, backoff, 3 * backoff
+    return chain
 
 
 def make_store(root: str, config: dict):

@@ -306,9 +306,15 @@ class NodeChunkLoader:
             extras = self._read_ahead(mine)
             self._fetch(mine + [(-1, c) for c in extras], results, what)
         again: list[int] = []
+        # the owner's fetch ends within the chain's deadline (plus decoding): a waiter
+        # gives up a little after that, never hangs on an owner that does
+        wait = 600.0 if self.chain.deadline is None else self.chain.deadline + 5.0
         for i, fut in waiting:
             try:
-                results[i] = fut.result(timeout=600)
+                results[i] = fut.result(timeout=wait)
+            except TimeoutError:
+                raise ShoalError(f"{what}: chunk {chunks[i].digest}: another read's fetch of it did not end "
+                                 f"within {wait:g}s") from None
             except Unfetched:
                 if not retry:
                     raise

@@ -60,6 +60,11 @@ class FetchConfig:
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
     # compressed bytes one image's profile may make the node fetch (the first ones in its order)
     prefetch_max_bytes: int = field(default=8 << 30, metadata=limits(min=0, size=True))
+    # seconds a read that needs the network may wait for its bytes (all sources
+    # together); then the reader gets EIO and the log names image, layer and file
+    read_deadline: float = field(default=20.0, metadata=limits(min=0.5, max=3600))
+    # seconds a source that hung (no answer in time) is skipped, doubled per hang in a row up to 3x
+    source_backoff: float = field(default=10.0, metadata=limits(min=0.1, max=3600))
 
 
 @dataclass

@@ -84,6 +84,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_region(origin_url: str, store: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`shoal region` in front of `origin_url` on a free loopback port, answering: (its
+    process, its URL). The caller stops it (stop_process) and closes its stdout."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", origin_url,
+             "--store", str(store)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+        )
+    if "serving" not in proc.stdout.readline().decode():
+        stop_process(proc)
+        proc.stdout.close()
+        raise RuntimeError(f"shoal region did not start; log:\n{log_path.read_text(errors='replace')[-2000:]}")
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def stop_process(proc: subprocess.Popen | None) -> None:
     """Terminate by PID, kill after STOP_TIMEOUT, reap."""
     if proc is None or proc.poll() is not None:
