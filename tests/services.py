@@ -459,17 +459,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = ""):
+def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", root_size: str = ""):
     """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
     (deploy/containerd/config.toml), in a short private directory (unix socket paths are
-    short); `node_config`: the node's TOML, if any. Yields (node, containerd); stops both, the
-    layer file system server and every mount under the directory, then removes it — also
-    on failure."""
+    short); `node_config`: the node's TOML, if any; `root_size`: the node's root is a tmpfs
+    of that size ("96m"). Yields (node, containerd); stops both, the layer file system
+    server and every mount under the directory, then removes it — also on failure."""
     from snapshotter.fs.client import FSClient
 
     short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     node = ctd = None
     try:
+        if root_size:
+            (short / "root").mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={root_size},mode=0700", "tmpfs",
+                            str(short / "root")], check=True, capture_output=True)
         extra: tuple[str, ...] = ()
         if node_config:
             (short / "node.toml").write_text(node_config)

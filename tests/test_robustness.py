@@ -146,3 +146,81 @@ def test_a_hung_region_is_skipped_and_reads_go_to_the_origin(tmp_path, stopped):
         stop_process(region)
         region.stdout.close()
         registry.stop()
+
+
+# --- the disk ----------------------------------------------------------------------------
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry, tmp_path):
+    """The node's root is a 96 MiB tmpfs, `store_capacity = "10G"`: the capacity is clamped
+    with a warning, a container that reads 128 MiB of lazy files gets them right, the
+    store stays within the free space, and new containers start. A disk filled by
+    someone else makes `ctr run` fail with one line, never a traceback, and works again
+    once there is room."""
+    from builder.convert import convert
+    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.fixtures_services import containerd_missing
+    from tests.rootfs import busybox_layer
+    from tests.services import SHOAL, CtrError, shoal_node_with_containerd
+
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    registry = module_registry
+    base = busybox_layer(tmp_path / "l1")
+    digests = _tree(tmp_path / "l2", ["a", "b", "c", "d"], 32 << 20)
+    whole = hashlib.sha256(b"".join((tmp_path / "l2/data" / n).read_bytes() for n in "abcd")).hexdigest()
+    gz = f"{registry.host}/full/app:gzip"
+    build_image([str(base), str(tmp_path / "l2")], f"docker://{gz}", ImageConfig(), plain_http=True,
+                workdir=str(tmp_path))
+    lazy = f"{registry.host}/full/app:lazy"
+    convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
+    assert digests
+    cmd = ["/bin/sh", "-c", "cat /data/a /data/b /data/c /data/d | sha256sum"]
+    with shoal_node_with_containerd("shoal-full-", '[fetch]\nstore_capacity = "10G"\n', root_size="96m") as (node, ctd):
+        import json
+
+        pulled = subprocess.run([SHOAL, "pull", lazy, "--address", ctd.address, "--namespace", "shoal-test",
+                                 "--json"], capture_output=True, text=True, check=False)
+        assert pulled.returncode == 0, pulled.stderr
+        out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "full-1", *cmd, timeout=300).stdout
+        assert out.split()[0] == whole
+
+        def status() -> dict:
+            done = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], capture_output=True,
+                                  text=True, check=True)
+            return json.loads(done.stdout)
+
+        give_up = time.monotonic() + 60
+        while status()["data_path"]["store"]["pending_writes"] and time.monotonic() < give_up:
+            time.sleep(0.5)
+        store = status()["data_path"]["store"]
+        assert store["pending_writes"] == 0, store
+        # new containers start (their snapshots and the metadata database need the room)
+        out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "full-2", "/bin/sh", "-c",
+                      "echo started > /tmp/x; cat /tmp/x; sha256sum /data/a").stdout
+        assert out.startswith("started\n") and digests["a"] in out
+        assert 0 < store["capacity_bytes"] < 96 << 20, store
+        assert store["size_bytes"] <= store["capacity_bytes"], store
+        assert _free_bytes(node.root) >= 40 << 20, (store, _free_bytes(node.root))
+        fs_log = Path(node.root, "logs", "fs.log").read_text()
+        assert "more than the disk holds" in fs_log, fs_log[-3000:]
+        # a disk filled by someone else: one line naming the database, no traceback
+        filler = node.root / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)
+        try:
+            with pytest.raises(CtrError) as err:
+                ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "full-3", "/bin/true")
+            message = str(err.value)
+            print("full disk:", message.splitlines()[-1])
+            assert "disk full" in message or "no space left" in message.lower(), message
+        finally:
+            filler.unlink()
+        assert "Traceback" not in node.log_path.read_text(errors="replace"), node.log()
+        out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "full-4", "/bin/echo", "again").stdout
+        assert out == "again\n"
