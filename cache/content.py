@@ -56,6 +56,7 @@ from pathlib import Path
 
 from shoal.digest import check_digest
 from shoal.fsutil import fsync_dir as _fsync_dir
+from shoal.fsutil import private_database, private_dir
 
 log = logging.getLogger("shoal.cache")
 
@@ -119,10 +120,10 @@ class ContentDir:
         self.data = self.root / "data"
         self.tmp = self.root / "tmp"
         self.fsync = fsync
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        self.data.mkdir(exist_ok=True)
-        for i in range(256):
-            (self.data / f"{i:02x}").mkdir(exist_ok=True)
+        # the owner's alone, whatever the umask (directories 0700, files 0600): a node's
+        # chunks are its tenants' images
+        for d in (self.root, self.tmp, self.data, *(self.data / f"{i:02x}" for i in range(256))):
+            private_dir(d)
         self._lock = threading.RLock()
         self._pins: collections.Counter[str] = collections.Counter()
         self._reading: collections.Counter[str] = collections.Counter()
@@ -165,6 +166,7 @@ class ContentDir:
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000)
         db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
         db.execute("PRAGMA journal_mode=WAL")
+        private_database(path)
         # NORMAL in WAL mode: a commit survives a process crash; a power loss may lose
         # the last commits, which recover() reconciles with data/ like any other crash
         db.execute("PRAGMA synchronous=NORMAL")
@@ -352,7 +354,7 @@ class ContentDir:
     def write_temp(self, data: bytes | memoryview) -> Path:
         """Write `data` to a new temp file (fsync'ed if configured); return its path."""
         path = self.temp_path()
-        with open(path, "wb") as fh:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as fh:
             fh.write(data)
             if self.fsync:
                 fh.flush()

@@ -94,6 +94,7 @@ class SwarmConfig:
     """[swarm] of the node configuration. Sizes in bytes, rates in bytes/s (0: no cap)."""
 
     enabled: bool = False  # the node turns the swarm on with swarm.enabled = true
+    required: bool = True  # an enabled swarm that cannot start stops the node; false: it runs without (logged)
     storage: str = ""  # torrent storage folder (the node sets <root>/swarm)
     listen: str = field(default="0.0.0.0:6881", metadata=limits(check=host_port_check))  # libtorrent listen_interfaces (TCP)
     advertise_ip: str = ""  # this node's address as peers see it; default: the route to the tracker

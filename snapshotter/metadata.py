@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.fsutil import private_database
 from snapshotter.snapshotter import (
     AlreadyExists,
     FailedPrecondition,
@@ -269,6 +270,7 @@ class MetaStore:
         try:
             self._conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
             self._conn.execute("PRAGMA journal_mode=WAL")
+            private_database(self.path)  # the node's snapshots and their labels: root's alone
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]

@@ -51,6 +51,9 @@ class FetchConfig:
     # the region cache (`shoal region`), tried before the origin; "" = none
     region_url: str = field(default="", metadata=limits(check=url_check()))
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
+    # lazy layers: the layer file system runs, and one that cannot start stops the node;
+    # false: no layer file system (containerd pulls and unpacks every layer itself)
+    lazy: bool = True
     # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
     store_capacity: int = field(default=0, metadata=limits(min=0, size=True))
     # bytes of decompressed chunks kept in memory, shared by all lazy layers

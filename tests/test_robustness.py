@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -224,3 +225,183 @@ def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry,
         assert "Traceback" not in node.log_path.read_text(errors="replace"), node.log()
         out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "full-4", "/bin/echo", "again").stdout
         assert out == "again\n"
+
+
+# --- the node's root is private ------------------------------------------------------------
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+CONNECT = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+
+
+def _as_nobody(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=30, check=False)
+
+
+def _loose(root: Path) -> list[str]:
+    """Paths under the node's root that a user other than root could read or enter by
+    their mode (what keeps ROOT's own 0700 from being the only wall). Not looked into:
+    the layer file system's mount (its files have their layers' modes), an unpacked
+    layer's content (its tar's modes) and a snapshot's fs/ and work/ (containerd's modes)."""
+    loose = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        rel = here.relative_to(root)
+        if rel.parts[:1] == ("unpacked",) or (rel.parts[:1] == ("snapshots",) and len(rel.parts) == 2):
+            dirnames[:] = []  # a layer's root and content, a snapshot's fs/ and work/
+            continue
+        for name in [*dirnames, *filenames]:
+            p = here / name
+            mode = os.lstat(p).st_mode
+            if not p.is_symlink() and mode & 0o077:
+                loose.append(f"{p.relative_to(root)} {oct(mode & 0o7777)}")
+        if rel == Path("."):
+            dirnames[:] = [d for d in dirnames if d != "mnt"]
+    return loose
+
+
+def test_the_node_root_is_root_s_alone(module_registry, tmp_path):
+    """After a lazy and an unpacked image ran, nobody (uid 65534) can list or read
+    anything under ROOT — the chunk store, metadata.db, layers/, unpacked/, the logs, the
+    sockets — also with ROOT itself opened up to 0755 (every part is private on its own).
+    Through the layer file system a file is served only as its layer's mode says: a
+    0644 file to anyone, a root-owned 0600 file to root alone (default_permissions)."""
+    from builder.convert import convert
+    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.fixtures_services import containerd_missing
+    from tests.rootfs import busybox_layer
+    from tests.services import SHOAL, shoal_node_with_containerd
+
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    registry = module_registry
+    base = busybox_layer(tmp_path / "l1")
+    pub = tmp_path / "l2" / "pub"
+    (pub / "closed").mkdir(parents=True)
+    (pub / "open").write_text("anyone may read this\n")
+    (pub / "secret").write_text("root alone\n")
+    (pub / "closed" / "inner").write_text("root alone too\n")
+    os.chmod(pub / "open", 0o644)
+    os.chmod(pub / "secret", 0o600)
+    os.chmod(pub / "closed", 0o700)
+    gz = f"{registry.host}/private/app:gzip"
+    build_image([str(base), str(tmp_path / "l2")], f"docker://{gz}", ImageConfig(), plain_http=True,
+                workdir=str(tmp_path))
+    lazy = f"{registry.host}/private/app:lazy"
+    convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
+    (tmp_path / "l3" / "etc").mkdir(parents=True)  # an unconverted image: the node unpacks it
+    (tmp_path / "l3" / "etc" / "other").write_text("an unpacked layer\n")
+    unpacked = f"{registry.host}/private/other:gzip"
+    build_image([str(tmp_path / "l3")], f"docker://{unpacked}", ImageConfig(), plain_http=True,
+                workdir=str(tmp_path))
+    from builder.oci.refs import open_source
+
+    with open_source(f"docker://{lazy}", plain_http=True) as s:
+        import json
+
+        top = json.loads(s.get_root().data)["layers"][1]["digest"]
+    view = Path(tempfile_dir := subprocess.run(["mktemp", "-d", "/tmp/shoal-view-XXXXXX"], capture_output=True,
+                                                 text=True, check=True).stdout.strip())
+    os.chmod(view, 0o755)
+    try:
+        with shoal_node_with_containerd("shoal-priv-") as (node, ctd):
+            for ref in (lazy, unpacked):
+                pulled = subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", "shoal-test"],
+                                        capture_output=True, text=True, check=False)
+                assert pulled.returncode == 0, pulled.stderr
+            out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "priv-1", "/bin/sh", "-c",
+                          "cat /pub/open /pub/secret; su -s /bin/sh nobody -c 'cat /pub/open; cat /pub/secret' 2>&1; "
+                          "true").stdout
+            assert out.count("anyone may read this") == 2 and out.count("root alone\n") == 1, out
+            assert "Permission denied" in out, out
+            done = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], capture_output=True,
+                                  text=True, check=True)
+            assert json.loads(done.stdout)["unpacked_layers"], done.stdout
+            root = Path(node.root)
+            give_up = time.monotonic() + 60  # the chunks the container read reach the store
+            while not any((root / "chunks" / "data").rglob("*")) or not any(
+                    p.is_file() for p in (root / "chunks" / "data").rglob("*")):
+                assert time.monotonic() < give_up, "no chunk reached the store"
+                time.sleep(0.5)
+            chunk = next(p for p in (root / "chunks" / "data").rglob("*") if p.is_file())
+            assert oct(os.stat(root).st_mode & 0o777) == "0o700"
+            assert _loose(root) == [], _loose(root)
+            targets = [("ls", root), ("ls", root / "chunks" / "data"), ("cat", chunk), ("cat", root / "metadata.db"),
+                       ("ls", root / "layers"), ("ls", root / "unpacked"), ("ls", root / "mnt"),
+                       ("cat", root / "logs" / "fs.log")]
+            sockets = [p for p in root.iterdir() if p.is_socket()]
+            assert root / "fs.sock" in sockets
+            os.chmod(root, 0o755)  # an admin's chmod, or a root made by someone else: the parts hold on their own
+            try:
+                for cmd, path in targets[1:]:
+                    done = _as_nobody(cmd, str(path))
+                    assert done.returncode != 0 and "Permission denied" in done.stderr, (cmd, path, done)
+                for sock in sockets:
+                    done = _as_nobody("/usr/bin/python3", "-c", CONNECT, str(sock))
+                    assert done.returncode != 0 and "PermissionError" in done.stderr, (sock, done)
+            finally:
+                os.chmod(root, 0o700)
+            for cmd, path in targets:
+                assert _as_nobody(cmd, str(path)).returncode != 0, (cmd, path)
+            # the layer file system itself, seen by nobody through a bind mount of the layer
+            subprocess.run(["mount", "--bind", str(root / "mnt" / top[7:]), str(view)], check=True)
+            try:
+                done = _as_nobody("cat", str(view / "pub" / "open"))
+                assert done.returncode == 0 and done.stdout == "anyone may read this\n", done
+                for path in (view / "pub" / "secret", view / "pub" / "closed" / "inner"):
+                    done = _as_nobody("cat", str(path))
+                    assert done.returncode != 0 and "Permission denied" in done.stderr, (path, done)
+                assert (view / "pub" / "secret").read_text() == "root alone\n"
+            finally:
+                subprocess.run(["umount", str(view)], check=False)
+    finally:
+        subprocess.run(["umount", "-l", str(view)], capture_output=True, check=False)
+        os.rmdir(tempfile_dir)
+
+
+# --- parts that cannot start ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, broken, why", [
+    ("", "mnt", "layer file system"),  # ROOT/mnt is a file: the layer file system cannot mount
+    ("[swarm]\nenabled = true\n", None, "swarm cannot start"),  # no metadata service for the swarm
+], ids=["layer-fs", "swarm"])
+def test_a_part_that_cannot_start_stops_the_node_unless_told_to_run_without(config, broken, why):
+    """`shoal node` whose layer file system or swarm cannot start exits 1 with one line
+    naming the part and the key that would let it run without; with that key
+    (`[fetch] lazy = false`, `[swarm] required = false`) it starts."""
+    import tempfile
+
+    from snapshotter.fs.client import FSClient
+    from tests.services import SHOAL, NodeProcess, unmount_under
+
+    short = Path(tempfile.mkdtemp(prefix="shoal-part-", dir="/tmp"))  # unix socket paths are short
+    try:
+        root = short / "root"
+        root.mkdir(mode=0o700)
+        if broken:
+            (root / broken).write_text("not a directory\n")
+        (short / "node.toml").write_text(config)
+        cmd = [SHOAL, "node", "--root", str(root), "--socket", str(short / "s.sock"), "--config", str(short / "node.toml")]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_process(proc)
+            pytest.fail(f"shoal node kept running without its {why.split()[0]} part")
+        assert proc.returncode == 1, err
+        assert "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert why in last and ("lazy = false" in last or "required = false" in last), err
+        # told to run without it, the node starts
+        without = "[fetch]\nlazy = false\n" if broken else config + "required = false\n"
+        (short / "node.toml").write_text(without)
+        node = NodeProcess(root, short / "s.sock", short / "node.log", ("--config", str(short / "node.toml")))
+        try:
+            assert node.proc.poll() is None
+        finally:
+            assert node.stop() == 0, node.log()
+    finally:
+        FSClient(str(short / "root")).stop()
+        unmount_under(short)
+        shutil.rmtree(short, ignore_errors=True)
