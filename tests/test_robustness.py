@@ -135,7 +135,7 @@ def test_a_hung_region_is_skipped_and_reads_go_to_the_origin(tmp_path, stopped):
             assert done.returncode == 0, done.stderr
             assert hashlib.sha256(done.stdout).hexdigest() == digests[name]
         sources = layers.fs.status()["store"]["sources"]
-        assert sources["region"]["hangs"] == 1 and sources["region"]["skipped"] >= 1, sources
+        assert sources["region"]["hangs"] >= 1 and sources["region"]["skipped"] >= 1, sources
         assert sources["origin"]["bytes"] >= 3 << 20, sources
         log = Path(layers.root, "logs", "fs.log").read_text()
         assert f"region cache {url}" in log and "unhealthy" in log, log[-3000:]
