@@ -64,9 +64,27 @@ class DataPath:
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
 
 
+MEMORY_FRACTION = 0.25  # of the machine's memory, at most, for decompressed chunks
+
+
+def memory_capacity(wanted: int) -> int:
+    """`wanted` bytes of chunk memory, or a quarter of the machine's memory if that is
+    less (logged): the containers the node serves need the rest."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return wanted
+    most = int(physical * MEMORY_FRACTION)
+    if wanted > most:
+        log.warning("[fetch] memory_cache = %d bytes is more than a quarter of this machine's memory "
+                    "(%d bytes): using %d", wanted, physical, most)
+        return most
+    return wanted
+
+
 def make_data_path(root: str, config: dict) -> DataPath:
     chain = make_chain(config)
-    memory = ChunkMemory(int(config.get("memory_cache", 512 << 20)))
+    memory = ChunkMemory(memory_capacity(int(config.get("memory_cache", 512 << 20))))
     store = make_store(root, config)
     writer = WriteBehind(store) if store is not None else None
     flight = SingleFlight()

@@ -159,7 +159,7 @@ def _free_bytes(path: Path) -> int:
 
 def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry, tmp_path):
     """The node's root is a 96 MiB tmpfs, `store_capacity = "10G"`: the capacity is clamped
-    with a warning, a container that reads 128 MiB of lazy files gets them right, the
+    with a warning (and `memory_cache = "64T"` to a quarter of the memory), a container that reads 128 MiB of lazy files gets them right, the
     store stays within the free space, and new containers start. A disk filled by
     someone else makes `ctr run` fail with one line, never a traceback, and works again
     once there is room."""
@@ -183,7 +183,8 @@ def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry,
     convert(f"docker://{gz}", f"docker://{lazy}", plain_http=True)
     assert digests
     cmd = ["/bin/sh", "-c", "cat /data/a /data/b /data/c /data/d | sha256sum"]
-    with shoal_node_with_containerd("shoal-full-", '[fetch]\nstore_capacity = "10G"\n', root_size="96m") as (node, ctd):
+    config = '[fetch]\nstore_capacity = "10G"\nmemory_cache = "64T"\n'
+    with shoal_node_with_containerd("shoal-full-", config, root_size="96m") as (node, ctd):
         import json
 
         pulled = subprocess.run([SHOAL, "pull", lazy, "--address", ctd.address, "--namespace", "shoal-test",
@@ -211,6 +212,10 @@ def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry,
         assert _free_bytes(node.root) >= 40 << 20, (store, _free_bytes(node.root))
         fs_log = Path(node.root, "logs", "fs.log").read_text()
         assert "more than the disk holds" in fs_log, fs_log[-3000:]
+        # memory too: the chunk memory is at most a quarter of the machine's
+        memory = status()["data_path"]["memory"]
+        assert memory["memory_capacity"] <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, memory
+        assert "memory_cache" in fs_log and "quarter of this machine's memory" in fs_log
         # a disk filled by someone else: one line naming the database, no traceback
         filler = node.root / "filler"
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)
