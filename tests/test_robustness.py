@@ -87,6 +87,9 @@ def test_a_hung_registry_is_eio_within_the_deadline_and_recovers(tmp_path, stopp
         assert f"origin {registry.host}" in log and "unhealthy" in log, log[-3000:]
         sources = layers.fs.status()["store"]["sources"]["origin"]
         assert sources["hangs"] >= 1 and sources["skipped"] >= 1, sources
+        from snapshotter.client_cli import fetch_figures
+
+        assert fetch_figures(layers.fs.status()["store"])["hangs"]["origin"] == sources["hangs"]
         os.kill(registry.pid, signal.SIGCONT)
         stopped.remove(registry.pid)
         # no restart: once the back-off ends, a read probes the registry and succeeds
