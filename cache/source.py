@@ -38,8 +38,9 @@ other ranges, when only some failed.
 Deadlines and health (a chain with a `deadline`):
 - One read_ranges() call of the chain returns or raises within `deadline` seconds (plus
   the caller's check), whatever its sources do: each source is asked from a worker
-  thread and waited for at most the time left (half of it when a healthy source comes
-  after it, so that one still has time). A source that has not answered by then has
+  thread and waited for at most the time left, less what the healthy sources after it
+  keep (half of the time left, at most LATER_RESERVE seconds), so that they still have
+  time. A source that has not answered by then has
   hung: the chain stops waiting (SourceHung, a TransportError), the source's call goes on
   in its worker until the source's own timeouts end it, and its answer is dropped.
 - A source that hung is *unhealthy* for a back-off (`backoff` seconds, doubled at each
@@ -159,6 +160,7 @@ class _Health:
     probing: bool = False
 
 
+LATER_RESERVE = 5.0  # seconds of a read's deadline kept for the sources after the one asked (at most)
 _WORKERS = 64  # source calls in flight at once (hung ones included, until their own timeouts end them)
 
 
@@ -264,7 +266,7 @@ class FetchChain:
             return source.read_ranges(blob, asked)
         left = end_by - time.monotonic()
         if any(not self._unhealthy((s.name, s.health_key(blob))) for s in later):
-            left /= 2
+            left -= min(left / 2, LATER_RESERVE)
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="shoal-source")

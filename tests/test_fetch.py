@@ -100,7 +100,7 @@ def test_a_hung_source_costs_one_read_then_is_skipped_until_a_probe_answers():
     try:
         start = time.monotonic()
         assert chain.read_ranges(BLOB, [(0, 10)]) == [b"x" * 10]
-        assert 0.4 < time.monotonic() - start < 0.9  # half the deadline went to the region
+        assert 0.4 < time.monotonic() - start < 5  # the region had half the deadline; no hang
         assert chain.statistics()["region"]["hangs"] == 1
         calls = region.calls
         assert chain.read_ranges(BLOB, [(0, 5)]) == [b"x" * 5]
