@@ -29,6 +29,13 @@ bound holds across processes too. Pins and read guards are per process: a proces
 evicts what it pinned or is reading; another process may unlink such a file, which an
 open file descriptor survives (POSIX), but a later open in the pinning process misses.
 
+The disk: the directory never fills the file system it lives on. It keeps
+`disk_reserve(size of the file system)` bytes free there (for containerd, the node's
+metadata database, the unpacked layers): a capacity larger than what the disk can hold
+(free space + what the directory holds - the reserve) is clamped with a warning at open,
+and before each file is written, entries are evicted (LRU) until the file fits with the
+reserve still free; a file that cannot fit so is not written (counted as `rejected`).
+
 Eviction is LRU by last access. Reads record their access time in memory; the times are
 written to the index at most once a second and before every eviction, so a crash loses
 at most a second of recency, never content.
@@ -49,10 +56,13 @@ from pathlib import Path
 
 from shoal.digest import check_digest
 from shoal.fsutil import fsync_dir as _fsync_dir
+from shoal.fsutil import private_database, private_dir
 
 log = logging.getLogger("shoal.cache")
 
 DEFAULT_FRACTION = 0.20  # of the free space at the root, when no capacity is given
+RESERVE_FRACTION = 0.10  # of the file system, left free whatever the capacity
+RESERVE_MIN = 1 << 30  # ... and at least this much, unless it is more than half the file system
 _FLUSH_INTERVAL = 1.0  # seconds between writes of access times
 _BUSY_TIMEOUT_MS = 60_000
 _EVICT_BATCH = 256
@@ -67,6 +77,12 @@ CREATE INDEX IF NOT EXISTS entries_atime ON entries(atime);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS owners (pid INTEGER NOT NULL, start INTEGER NOT NULL, token TEXT PRIMARY KEY);
 """
+
+
+def disk_reserve(total: int) -> int:
+    """Bytes a directory of content leaves free on a file system of `total` bytes:
+    10% of it, at least 1 GiB, but never more than half of a small file system."""
+    return int(max(total * RESERVE_FRACTION, min(RESERVE_MIN, total / 2)))
 
 
 def process_start(pid: int) -> int | None:
@@ -104,10 +120,10 @@ class ContentDir:
         self.data = self.root / "data"
         self.tmp = self.root / "tmp"
         self.fsync = fsync
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        self.data.mkdir(exist_ok=True)
-        for i in range(256):
-            (self.data / f"{i:02x}").mkdir(exist_ok=True)
+        # the owner's alone, whatever the umask (directories 0700, files 0600): a node's
+        # chunks are its tenants' images
+        for d in (self.root, self.tmp, self.data, *(self.data / f"{i:02x}" for i in range(256))):
+            private_dir(d)
         self._lock = threading.RLock()
         self._pins: collections.Counter[str] = collections.Counter()
         self._reading: collections.Counter[str] = collections.Counter()
@@ -150,6 +166,7 @@ class ContentDir:
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000)
         db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
         db.execute("PRAGMA journal_mode=WAL")
+        private_database(path)
         # NORMAL in WAL mode: a commit survives a process crash; a power loss may lose
         # the last commits, which recover() reconciles with data/ like any other crash
         db.execute("PRAGMA synchronous=NORMAL")
@@ -167,6 +184,7 @@ class ContentDir:
                 capacity = int(st.f_bavail * st.f_frsize * DEFAULT_FRACTION)
             if capacity < 0:
                 raise ValueError(f"capacity must be >= 0, not {capacity}")
+            capacity = self._clamp(capacity)
             self._set_meta("capacity", capacity)
             self.capacity = capacity
             owners = self._db.execute("SELECT pid, start, token FROM owners").fetchall()
@@ -177,6 +195,38 @@ class ContentDir:
             used, _ = self._usage()
             if used > capacity:
                 self._evict(used - capacity)
+
+    def _free(self) -> tuple[int, int]:
+        """(bytes free for us on the file system, its reserve)."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize, disk_reserve(st.f_blocks * st.f_frsize)
+
+    def _clamp(self, capacity: int) -> int:
+        """`capacity`, or what the disk can hold beside the reserve if that is less (logged)."""
+        free, reserve = self._free()
+        used, _ = self._usage()
+        room = max(0, free + used - reserve)
+        if capacity > room:
+            log.warning("%s: capacity %d bytes is more than the disk holds (%d free, %d in the store, %d kept "
+                        "free for containerd and the node's database): using %d", self.root, capacity, free, used,
+                        reserve, room)
+            return room
+        return capacity
+
+    def make_room(self, size: int) -> bool:
+        """Whether a file of `size` bytes can be written now with the file system's
+        reserve still free, after evicting entries (LRU) if needed."""
+        free, reserve = self._free()
+        short = size + reserve - free
+        if short <= 0:
+            return True
+        with self._txn():
+            self._evict(short)
+        free, reserve = self._free()
+        if size + reserve > free:
+            self.counters["rejected"] += 1
+            return False
+        return True
 
     def _recover(self, dead_tokens: list[str]) -> None:
         """After a crash (or on a new index): drop dead processes' temp files and make the
@@ -304,7 +354,7 @@ class ContentDir:
     def write_temp(self, data: bytes | memoryview) -> Path:
         """Write `data` to a new temp file (fsync'ed if configured); return its path."""
         path = self.temp_path()
-        with open(path, "wb") as fh:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as fh:
             fh.write(data)
             if self.fsync:
                 fh.flush()

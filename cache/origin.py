@@ -51,7 +51,12 @@ class OriginSource(Source):
 
     name = "origin"
 
-    def __init__(self, plain_http_hosts: Sequence[str] = (), plain_http_loopback: bool = True):
+    def __init__(self, plain_http_hosts: Sequence[str] = (), plain_http_loopback: bool = True,
+                 read_timeout: float | None = None):
+        """`read_timeout`: the registry client's per-request timeout (its default when
+        None); a chain with a deadline passes its deadline, so a call it gave up on ends
+        soon after."""
+        self._read_timeout = read_timeout
         self._plain_hosts = set(plain_http_hosts)
         self._plain_loopback = plain_http_loopback
         self._local = threading.local()  # one client per thread: sessions are not shared
@@ -69,8 +74,12 @@ class OriginSource(Source):
         client = clients.get(key)
         if client is None:
             ref = DockerRef(blob.registry, blob.repository, digest=blob.digest)
-            client = clients[key] = RegistrySource(ref, plain_http=key[2])
+            extra = {} if self._read_timeout is None else {"read_timeout": self._read_timeout}
+            client = clients[key] = RegistrySource(ref, plain_http=key[2], **extra)
         return client
+
+    def health_key(self, blob: BlobRef) -> str:
+        return blob.registry  # one registry hanging says nothing of the others
 
     def read_ranges(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         spans = merge_ranges(ranges)

@@ -34,11 +34,29 @@ Contract for every Source:
 The chain raises TransportError (naming every source's failure) when, for some range,
 no source served bytes that passed its check: RangesFailed, carrying the results of the
 other ranges, when only some failed.
+
+Deadlines and health (a chain with a `deadline`):
+- One read_ranges() call of the chain returns or raises within `deadline` seconds (plus
+  the caller's check), whatever its sources do: each source is asked from a worker
+  thread and waited for at most the time left, less what the healthy sources after it
+  keep (half of the time left, at most LATER_RESERVE seconds), so that they still have
+  time. A source that has not answered by then has
+  hung: the chain stops waiting (SourceHung, a TransportError), the source's call goes on
+  in its worker until the source's own timeouts end it, and its answer is dropped.
+- A source that hung is *unhealthy* for a back-off (`backoff` seconds, doubled at each
+  hang in a row up to `backoff_max`), per (source, health_key(blob)): the origin's key is
+  the registry, so one hung registry does not take the others down. An unhealthy source
+  is skipped at once (counted as skipped). When the back-off ends, one read probes it
+  (the others go on skipping it until that probe ends); an answer makes it healthy again.
+  Both changes are logged at WARNING.
+- Refused connections, HTTP errors and bad bytes are failures, not hangs: they leave the
+  source healthy (they are quick, and a registry that is down answers that way).
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import logging
 import threading
 import time
@@ -76,6 +94,10 @@ class NotHere(ShoalError):
     """This source does not have the blob; try the next one."""
 
 
+class SourceHung(TransportError):
+    """A source that did not answer within the time the chain had for it."""
+
+
 class RangesFailed(TransportError):
     """Some ranges could not be fetched from any source; `served` holds the results of
     the others (index of the range -> what the check returned)."""
@@ -97,6 +119,15 @@ class Source(abc.ABC):
     def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
         """The bytes this source served for `ranges` failed their check (a hint)."""
 
+    def health_key(self, blob: BlobRef) -> str:
+        """What a hang of this source for `blob` says is unhealthy: "" (the whole
+        source), or a part of it (the origin: one registry)."""
+        return ""
+
+    def describe(self, key: str) -> str:
+        """The source (or the part of it named by a health_key) for log lines."""
+        return f"{self.name} {key}".rstrip()
+
     def close(self) -> None:
         pass
 
@@ -115,7 +146,22 @@ class SourceStats:
     not_here: int = 0
     errors: int = 0
     verify_failures: int = 0  # ranges whose bytes failed the caller's check
+    hangs: int = 0  # calls that did not answer in time (the source then went unhealthy)
+    skipped: int = 0  # calls not made: the source was unhealthy
     seconds: float = 0.0
+
+
+@dataclass
+class _Health:
+    """An unhealthy (source, key): skipped until `until`, then probed by one read."""
+
+    until: float
+    backoff: float
+    probing: bool = False
+
+
+LATER_RESERVE = 5.0  # seconds of a read's deadline kept for the sources after the one asked (at most)
+_WORKERS = 64  # source calls in flight at once (hung ones included, until their own timeouts end them)
 
 
 @dataclass
@@ -127,9 +173,14 @@ class FetchChain:
     """
 
     sources: list[Source]
+    deadline: float | None = None  # seconds one read_ranges() may take; None: the sources' own timeouts
+    backoff: float = 10.0  # seconds a source that hung is skipped (doubled per hang in a row)
+    backoff_max: float = 30.0
     stats: dict[str, SourceStats] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _logged: set[tuple[str, str]] = field(default_factory=set, repr=False)
+    _health: dict[tuple[str, str], _Health] = field(default_factory=dict, repr=False)
+    _pool: concurrent.futures.ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def read_ranges(self, blob: BlobRef, ranges: Sequence[tuple[int, int]], check: Check | None = None) -> list:
         """One result per range: check(i, raw) of the first source whose bytes pass it
@@ -137,21 +188,42 @@ class FetchChain:
         results: list = [None] * len(ranges)
         todo = list(range(len(ranges)))
         errors = []
-        for source in self.sources:
+        end_by = None if self.deadline is None else time.monotonic() + self.deadline
+        for n, source in enumerate(self.sources):
             if not todo:
                 break
+            if end_by is not None and time.monotonic() >= end_by:
+                errors.append(f"{source.name}: not asked (the read's {self.deadline:g}s deadline passed)")
+                break
+            key = (source.name, source.health_key(blob))
+            skip = self._skip(key)
+            if skip:
+                self._count(source.name, skipped=1)
+                errors.append(f"{source.describe(key[1])}: {skip}")
+                continue
             asked = [ranges[i] for i in todo]
             start = time.monotonic()
             try:
-                out = source.read_ranges(blob, asked)
+                out = self._ask(source, blob, asked, end_by, self.sources[n + 1:])
             except NotHere:
+                self._healthy(source, key)
                 self._count(source.name, not_here=1)
                 continue
+            except SourceHung as e:
+                self._count(source.name, hangs=1)
+                self._hung(source, key, str(e))
+                errors.append(f"{source.describe(key[1])}: {e}")
+                continue
             except (TransportError, NotFound) as e:
+                self._healthy(source, key)
                 self._count(source.name, errors=1)
                 log.warning("%s: %s failed for %d ranges: %s", blob, source.name, len(asked), e)
                 errors.append(f"{source.name}: {e}")
                 continue
+            except BaseException:
+                self._healthy(source, key)
+                raise
+            self._healthy(source, key)
             if len(out) != len(asked) or any(len(d) != b - a for d, (a, b) in zip(out, asked)):
                 self._count(source.name, errors=1)
                 log.warning("%s: %s returned short ranges", blob, source.name)
@@ -187,6 +259,61 @@ class FetchChain:
             raise RangesFailed(message, {i: r for i, r in enumerate(results) if i not in failed})
         return results
 
+    def _ask(self, source: Source, blob: BlobRef, asked: list[tuple[int, int]], end_by: float | None,
+             later: Sequence[Source]) -> list[bytes]:
+        """source.read_ranges within the time left (see the module docstring)."""
+        if end_by is None:
+            return source.read_ranges(blob, asked)
+        left = end_by - time.monotonic()
+        if any(not self._unhealthy((s.name, s.health_key(blob))) for s in later):
+            left -= min(left / 2, LATER_RESERVE)
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="shoal-source")
+            pool = self._pool
+        fut = pool.submit(source.read_ranges, blob, asked)
+        try:
+            return fut.result(timeout=max(left, 0.0))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise SourceHung(f"no answer within {left:.1f}s") from None
+
+    def _unhealthy(self, key: tuple[str, str]) -> bool:
+        with self._lock:
+            h = self._health.get(key)
+            return h is not None and (h.probing or time.monotonic() < h.until)
+
+    def _skip(self, key: tuple[str, str]) -> str:
+        """Why this call skips the source ("" = ask it; a read past the back-off becomes
+        the one probe)."""
+        with self._lock:
+            h = self._health.get(key)
+            if h is None:
+                return ""
+            now = time.monotonic()
+            if now < h.until:
+                return f"unhealthy (hung), skipped for {h.until - now:.0f}s more"
+            if h.probing:
+                return "unhealthy (hung), another read is probing it"
+            h.probing = True
+            return ""
+
+    def _hung(self, source: Source, key: tuple[str, str], why: str) -> None:
+        with self._lock:
+            h = self._health.get(key)
+            backoff = self.backoff if h is None else min(self.backoff_max, h.backoff * 2)
+            self._health[key] = _Health(time.monotonic() + backoff, backoff)
+        log.warning("%s: %s: unhealthy, skipped for %.0fs (then probed by one read)",
+                    source.describe(key[1]), why, backoff)
+
+    def _healthy(self, source: Source, key: tuple[str, str]) -> None:
+        if not self._health:
+            return
+        with self._lock:
+            h = self._health.pop(key, None)
+        if h is not None:
+            log.warning("%s answers again: healthy", source.describe(key[1]))
+
     def _bad(self, source: Source, blob: BlobRef, ranges: list[tuple[int, int]], why: str) -> None:
         """A source's bytes failed their check: counted, logged once per (source, blob),
         and the source told (it may drop a bad copy)."""
@@ -217,5 +344,9 @@ class FetchChain:
             return {name: dict(s.__dict__) for name, s in self.stats.items()}
 
     def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         for s in self.sources:
             s.close()

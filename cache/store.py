@@ -14,6 +14,9 @@ Contract:
   else pinned or being read): the caller still has the bytes, only the caching is lost.
 - The stored bytes never exceed `capacity` (bytes of chunk content, not disk blocks),
   with concurrent writers in threads or processes; LRU eviction makes room.
+- The disk never fills: a capacity larger than the disk can hold is clamped, and a
+  chunk is written only with the file system's reserve still free after eviction
+  (cache/content.py: disk_reserve); put() returns False otherwise.
 - pin(digests) keeps chunks (present or future) from eviction until unpinned; so do
   running get()s. Pins are per process.
 - A kill -9 at any moment leaves no partly written chunk under its name; the next open
@@ -121,6 +124,8 @@ class ChunkStore:
                 if self._dir.exists(digest):
                     self._dir.touch(digest)
                     results[i] = True
+                elif not self._dir.make_room(len(data)):
+                    results[i] = False
                 else:
                     todo.append((i, digest, len(data), self._dir.write_temp(data)))
         except BaseException:

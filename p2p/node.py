@@ -82,6 +82,9 @@ def swarm_chain(sources: list[Source], config: dict) -> FetchChain:
     try:
         swarm = make_swarm(config, fallback)
     except (ShoalError, OSError) as exc:
+        if (config.get("swarm") or {}).get("required", True):
+            raise ShoalError(f"swarm cannot start: {exc} (with [swarm] required = false the node runs "
+                             "without it)") from None
         log.error("swarm disabled: %s", exc)
         return FetchChain(list(sources))
     chain = SwarmChain([SwarmSource(swarm), *sources], swarm=swarm, fallback=fallback)

@@ -112,6 +112,7 @@ class SwarmConfig:
     """[swarm] of the node configuration. Sizes in bytes, rates in bytes/s (0: no cap)."""
 
     enabled: bool = False  # the node turns the swarm on with swarm.enabled = true
+    required: bool = True  # an enabled swarm that cannot start stops the node; false: it runs without (logged)
     storage: str = ""  # torrent storage folder (the node sets <root>/swarm)
     # libtorrent listen_interfaces (TCP); "" = advertise_ip (or the route to the region):6881
     listen: str = field(default="", metadata=limits(check=host_port_check))

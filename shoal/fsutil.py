@@ -5,6 +5,28 @@ from __future__ import annotations
 import os
 import re
 
+PRIVATE_UMASK = 0o077  # the node's daemons create what they make under ROOT for root alone
+
+
+def private_dir(path: str | os.PathLike) -> str:
+    """`path` as a directory only its owner may enter: made 0700, or set to 0700 if it
+    was there already (a root made by an older version or another umask)."""
+    path = os.fspath(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def private_database(path: str | os.PathLike) -> None:
+    """An sqlite database and its WAL and shared-memory files (once they exist; sqlite
+    gives new ones the database's mode): the owner's alone."""
+    path = os.fspath(path)
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        try:
+            os.chmod(p, 0o600)
+        except FileNotFoundError:
+            pass
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory, so a rename into it survives a power loss."""

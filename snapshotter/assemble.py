@@ -17,20 +17,32 @@ from snapshotter.fetch import NodeChunkLoader, SingleFlight, WriteBehind
 log = logging.getLogger("shoal.node")
 
 
+DEFAULT_READ_DEADLINE = 20.0
+DEFAULT_SOURCE_BACKOFF = 10.0
+
+
 def make_chain(config: dict) -> FetchChain:
+    """The chain, every read of it bounded by `read_deadline` seconds; a source that
+    hangs is skipped for `source_backoff` seconds (up to 3 times that after hangs in a
+    row; cache/source.py)."""
+    deadline = float(config.get("read_deadline", DEFAULT_READ_DEADLINE))
+    backoff = float(config.get("source_backoff", DEFAULT_SOURCE_BACKOFF))
     sources: list[Source] = []
     region = config.get("region_url")
     if region:
         from cache.region.client import RegionLink, RegionSource
 
         # with the node token, if the node has one: the region takes bad-bytes reports only from its nodes
-        sources.append(RegionSource(RegionLink.from_config(config, with_token=True)))
-    sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", [])))
+        sources.append(RegionSource(RegionLink.from_config(config, with_token=True), read_timeout=deadline))
+    sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", []), read_timeout=deadline))
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
         from p2p.node import swarm_chain
 
-        return swarm_chain(sources, config)
-    return FetchChain(sources)
+        chain = swarm_chain(sources, config)
+    else:
+        chain = FetchChain(sources)
+    chain.deadline, chain.backoff, chain.backoff_max = deadline, backoff, 3 * backoff
+    return chain
 
 
 def make_store(root: str, config: dict):
@@ -56,9 +68,27 @@ class DataPath:
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
 
 
+MEMORY_FRACTION = 0.25  # of the machine's memory, at most, for decompressed chunks
+
+
+def memory_capacity(wanted: int) -> int:
+    """`wanted` bytes of chunk memory, or a quarter of the machine's memory if that is
+    less (logged): the containers the node serves need the rest."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return wanted
+    most = int(physical * MEMORY_FRACTION)
+    if wanted > most:
+        log.warning("[fetch] memory_cache = %d bytes is more than a quarter of this machine's memory "
+                    "(%d bytes): using %d", wanted, physical, most)
+        return most
+    return wanted
+
+
 def make_data_path(root: str, config: dict) -> DataPath:
     chain = make_chain(config)
-    memory = ChunkMemory(int(config.get("memory_cache", 512 << 20)))
+    memory = ChunkMemory(memory_capacity(int(config.get("memory_cache", 512 << 20))))
     store = make_store(root, config)
     writer = WriteBehind(store) if store is not None else None
     flight = SingleFlight()

@@ -11,6 +11,7 @@ import signal
 import threading
 
 from shoal.errors import ShoalError
+from shoal.fsutil import PRIVATE_UMASK
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -23,6 +24,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     if root_logger.level > logging.INFO:
         root_logger.setLevel(logging.INFO)  # a daemon says what it does
     config = load_config(args.config)
+    # Everything the node and its layer file system make under ROOT is root's alone,
+    # whatever umask it was started with (layer contents and snapshot roots get the modes
+    # their layer or containerd's contract gives them, set explicitly).
+    os.umask(PRIVATE_UMASK)
 
     stop = threading.Event()
 
@@ -46,7 +51,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         for w in warnings:
             logging.getLogger("shoal.node").warning("%s: %s", args.config, w)
         data_path["swarm"] = {"storage": os.path.join(os.path.abspath(args.root), "swarm"), **config.swarm}
-    remote = RemoteLayers(args.root, data_path)
+    remote = RemoteLayers(args.root, data_path) if config.fetch.lazy else None
+    if remote is None:
+        logging.getLogger("shoal.node").info("[fetch] lazy = false: no layer file system, no lazy layers")
     node = Node(args.root, args.socket, config, remote=remote)
     node.start()
     try:

@@ -76,7 +76,9 @@ def fetch_figures(data_path: dict) -> dict:
     (the region's and origin's count both paths: for the swarm, which fetches whole
     pieces of what no peer has, and around it); store bytes are decompressed chunks.
     verify_failures: per source, ranges whose bytes failed their check (a chunk's
-    digest, a piece's SHA-1) and were asked of the next source."""
+    digest, a piece's SHA-1) and were asked of the next source. hangs: per source, calls
+    that did not answer within the read deadline (the source was then skipped for a
+    while, cache/source.py)."""
     sources = data_path.get("sources") or {}
     swarm = sources.get("swarm") or {}
     return {
@@ -92,6 +94,7 @@ def fetch_figures(data_path: dict) -> dict:
         "peers_banned": swarm.get("peers_banned", 0),
         "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
                             if "verify_failures" in st},
+        "hangs": {name: st.get("hangs", 0) for name, st in sources.items() if "hangs" in st},
     }
 
 
@@ -109,6 +112,9 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_fetch_verify_failures_total", counter,
          "Ranges whose bytes failed their check (chunk digest, piece SHA-1), by source; the next source was asked.",
          [({"source": k}, v) for k, v in sorted(f["verify_failures"].items())]),
+        ("shoal_node_fetch_hangs_total", counter,
+         "Source calls without an answer within the read deadline, by source; the source was then skipped a while.",
+         [({"source": k}, v) for k, v in sorted(f.get("hangs", {}).items())]),
         ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
         ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
         ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),
@@ -161,7 +167,8 @@ def format_status(s: dict) -> str:
         )
     for name, st in (dp.get("sources") or {}).items():
         lines.append(f"  source {name}: {st.get('requests', 0)} requests, {st.get('bytes', 0):,} B,"
-                     f" {st.get('errors', 0)} errors, {st.get('verify_failures', 0)} verify failures")
+                     f" {st.get('errors', 0)} errors, {st.get('verify_failures', 0)} verify failures,"
+                     f" {st.get('hangs', 0)} hangs ({st.get('skipped', 0)} calls skipped while unhealthy)")
     f = s.get("fetch") or fetch_figures(dp)
     lines.append(
         f"  bytes from: store {f['bytes_from_store']:,}, peers {f['bytes_from_peers']:,},"

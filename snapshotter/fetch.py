@@ -176,6 +176,10 @@ class Unfetched(ShoalError):
 READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
 READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
 READAHEAD_GAP = 64 << 10
+# compressed bytes one prefetch request asks for at most: each is a chain read within the
+# read deadline (4 MiB in 10-20 s wants 0.2-0.4 MB/s), and a read waiting on a prefetched
+# chunk waits for its span only
+PREFETCH_SPAN = 4 << 20
 
 
 class NodeChunkLoader:
@@ -284,7 +288,8 @@ class NodeChunkLoader:
                       key=lambda ic: ic[1].start)
         spans: list[list[tuple[int, Chunk]]] = []
         for ic in mine:
-            if spans and ic[1].start - spans[-1][-1][1].end <= MERGE_GAP:
+            if (spans and ic[1].start - spans[-1][-1][1].end <= MERGE_GAP
+                    and ic[1].end - spans[-1][0][1].start <= PREFETCH_SPAN):
                 spans[-1].append(ic)
             else:
                 spans.append([ic])
@@ -315,9 +320,18 @@ class NodeChunkLoader:
             extras = self._read_ahead(mine)
             self._fetch(mine + [(-1, c) for c in extras], results, what)
         again: list[int] = []
+        late: list[int] = []
+        # Another read's fetch ends within the chain's deadline; a chunk a prefetch
+        # claimed may wait behind the prefetch's earlier spans. A reader waits a little
+        # longer than the deadline, then fetches what it still lacks itself (within the
+        # deadline again): it never waits on someone else's fetch without bound.
+        wait = 600.0 if self.chain.deadline is None else self.chain.deadline + 5.0
+        end = time.monotonic() + wait
         for i, fut in waiting:
             try:
-                results[i] = fut.result(timeout=600)
+                results[i] = fut.result(timeout=max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                late.append(i)
             except Unfetched:
                 if not retry:
                     raise
@@ -326,6 +340,10 @@ class NodeChunkLoader:
                 raise
             except Exception as e:  # noqa: BLE001 - a waiter reports the owner's failure
                 raise ShoalError(f"{what}: chunk {chunks[i].digest}: {e}") from None
+        if late:
+            log.warning("%s: %d chunks another fetch claimed did not come within %gs; fetching them", what,
+                        len(late), wait)
+            self._fetch([(i, chunks[i]) for i in late], results, what)
         if again:
             for i, data in zip(again, self.load([chunks[i] for i in again], what, retry=False)):
                 results[i] = data

@@ -26,11 +26,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.fsutil import private_database
 from snapshotter.snapshotter import (
     AlreadyExists,
     FailedPrecondition,
@@ -303,6 +304,7 @@ class MetaStore:
         try:
             self._conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
             self._conn.execute("PRAGMA journal_mode=WAL")
+            private_database(self.path)  # the node's snapshots and their labels: root's alone
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
@@ -316,16 +318,30 @@ class MetaStore:
             raise ShoalError(f"{self.path}: cannot open the snapshot metadata: {e}") from None
         self._closed = False
 
+    def _failure(self, e: sqlite3.Error) -> ShoalError:
+        """What a user reads when the database cannot do its work: one line (a full
+        disk names the file system to free space on)."""
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e):
+            return ShoalError(f"node metadata database: disk full at {self.path.parent} ({self.path.name}: {e}); "
+                              "free space on that file system")
+        return ShoalError(f"node metadata database {self.path}: {e}")
+
+    def _rollback(self) -> None:
+        if self._conn.in_transaction:
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+
     @contextmanager
     def read(self) -> Iterator[Tx]:
         with self._lock:
             self._check_open()
-            self._conn.execute("BEGIN")
             try:
+                self._conn.execute("BEGIN")
                 yield Tx(self._conn)
+            except sqlite3.Error as e:
+                raise self._failure(e) from None
             finally:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
+                self._rollback()
 
     @contextmanager
     def write(self) -> Iterator[Tx]:
@@ -334,13 +350,15 @@ class MetaStore:
         critical section: no other transaction runs meanwhile."""
         with self._lock:
             self._check_open()
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
+                self._conn.execute("BEGIN IMMEDIATE")
                 yield Tx(self._conn)
                 self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._rollback()
+                raise self._failure(e) from None
             except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def _check_open(self) -> None:

@@ -64,6 +64,9 @@ class FetchConfig:
     region_token_file: str = field(default="", metadata=limits(check=readable_file_check))
     region_plain_http_credentials: bool = False  # send registry credentials to an http:// region on loopback
     plain_http_hosts: list[str] = field(default_factory=list)  # registries reached over HTTP (loopback always is)
+    # lazy layers: the layer file system runs, and one that cannot start stops the node;
+    # false: no layer file system (containerd pulls and unpacks every layer itself)
+    lazy: bool = True
     # bytes for the chunk store under ROOT/chunks; 0 = 20% of the disk's free space
     store_capacity: int = field(default=0, metadata=limits(min=0, size=True))
     # bytes of decompressed chunks kept in memory, shared by all lazy layers
@@ -78,6 +81,11 @@ class FetchConfig:
     prove_after: float = field(default=30.0, metadata=limits(min=0, max=30 * 86400))
     # seconds a container's prepare waits for a proof it needs (a chain another image names with another blob)
     prove_timeout: float = field(default=600.0, metadata=limits(min=1, max=86400))
+    # seconds a read that needs the network may wait for its bytes (all sources
+    # together); then the reader gets EIO and the log names image, layer and file
+    read_deadline: float = field(default=20.0, metadata=limits(min=0.5, max=3600))
+    # seconds a source that hung (no answer in time) is skipped, doubled per hang in a row up to 3x
+    source_backoff: float = field(default=10.0, metadata=limits(min=0.1, max=3600))
 
 
 @dataclass

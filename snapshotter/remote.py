@@ -48,6 +48,7 @@ from cache.source import BlobRef
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
+from shoal.fsutil import private_dir
 from snapshotter.fs.client import FSClient
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
@@ -97,8 +98,9 @@ class RemoteLayers:
         self.config = config or {}
         self.fs = fs or FSClient(self.root, self.config)
         self.unpacked_dir = os.path.join(self.root, "unpacked")
-        os.makedirs(self.unpacked_dir, exist_ok=True)
-        os.makedirs(os.path.join(self.root, "layers"), exist_ok=True)
+        # root alone may enter (an unpacked layer's content keeps its tar modes inside)
+        private_dir(self.unpacked_dir)
+        private_dir(os.path.join(self.root, "layers"))
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._warmed: set[str] = set()  # manifests whose layers were warmed
@@ -246,12 +248,12 @@ class RemoteLayers:
 
     def start(self) -> None:
         """At node start: have the layer file system server running, so that the first
-        lazy layer does not wait for it to start. A server that cannot start is logged
-        here and reported by every lazy prepare."""
+        lazy layer does not wait for it to start. ShoalError (one line) if it cannot
+        start: the node does not run without it unless told to ([fetch] lazy = false)."""
         try:
             self.fs.ensure_running()
         except ShoalError as e:
-            log.error("%s", e)
+            raise ShoalError(f"{e} (with [fetch] lazy = false the node runs without lazy layers)") from None
 
     def stop_if_idle(self) -> None:
         """At node stop: a layer file system server that serves no layer has nothing a

@@ -7,6 +7,7 @@ that choice in one place. Map fields of these stubs are repeated entries under t
 implementation: fill them with convert.labels_to_pb, never with a labels=... argument.
 """
 
+# ruff: noqa: I001  (the import order is the point: convert first)
 from __future__ import annotations
 
 import types

@@ -88,6 +88,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_region(origin_url: str, store: Path, log_path: Path) -> tuple[subprocess.Popen, str, str]:
+    """`shoal region` in front of `origin_url` on a free loopback port, answering: (its
+    process, its https URL, the CA file it made at first start, which nodes pin). The
+    caller stops it (stop_process) and closes its stdout."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", origin_url,
+             "--store", str(store)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+        )
+    if "serving" not in proc.stdout.readline().decode():
+        stop_process(proc)
+        proc.stdout.close()
+        raise RuntimeError(f"shoal region did not start; log:\n{log_path.read_text(errors='replace')[-2000:]}")
+    return proc, f"https://127.0.0.1:{port}", str(store / "tls" / "ca.pem")
+
+
 def _answers(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
@@ -432,7 +450,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", cri_registries: list[str] | None = None,
-                               sandbox_image: str = ""):
+                               sandbox_image: str = "", root_size: str = ""):
     """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
     (deploy/containerd/config.toml), in a short private directory (unix socket paths are
     short). Yields (node, containerd); stops both, the layer file system server and every
@@ -440,12 +458,17 @@ def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", cr
 
     The node's configuration is `node_config` (TOML) plus `[containerd] address` = this
     containerd. `cri_registries`: enable containerd's CRI plugin (cri_config) with pods on
-    shoal, pulling from these loopback registries, sandboxes from `sandbox_image`."""
+    shoal, pulling from these loopback registries, sandboxes from `sandbox_image`.
+    `root_size`: the node's root is a tmpfs of that size ("96m")."""
     from snapshotter.fs.client import FSClient
 
     short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     node = ctd = None
     try:
+        if root_size:
+            (short / "root").mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={root_size},mode=0700", "tmpfs",
+                            str(short / "root")], check=True, capture_output=True)
         ctd_dir = short / "ctd"
         config = short / "node.toml"
         config.write_text(f"{node_config}\n[containerd]\naddress = {_q(ctd_dir / 'containerd.sock')}\n")

@@ -1,5 +1,6 @@
 """The node's chunk memory and its write-behind into the chunk store (snapshotter/fetch.py,
-builder/zstdchunked.ChunkMemory), on a real ChunkStore."""
+builder/zstdchunked.ChunkMemory), on a real ChunkStore; the fetch chain's deadline and
+source health (cache/source.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import hashlib
 import random
 import time
 
+import pytest
+
 from builder.zstdchunked import ChunkMemory
+from cache.source import BlobRef, FetchChain, Source
 from cache.store import ChunkStore
+from shoal.errors import TransportError
 from snapshotter.fetch import WriteBehind
 
 
@@ -59,3 +64,66 @@ def test_write_behind_writes_when_half_its_memory_is_pending(tmp_path):
     assert store.contains(items[0][0])
     assert writer.wait_idle(timeout=30)
     assert all(store.contains(d) for d, _ in items)
+
+
+class _Gate(Source):
+    """A source that answers (bytes of the range's length) only while its gate is open,
+    and otherwise hangs like a stopped registry (blocks until opened)."""
+
+    def __init__(self, name: str, open_: bool = True) -> None:
+        import threading
+
+        self.name = name
+        self.gate = threading.Event()
+        if open_:
+            self.gate.set()
+        self.calls = 0
+
+    def read_ranges(self, blob, ranges):
+        self.calls += 1
+        self.gate.wait(30)
+        return [b"x" * (b - a) for a, b in ranges]
+
+
+BLOB = BlobRef("127.0.0.1:1", "repo", "sha256:" + "0" * 64)
+
+
+def test_a_hung_source_costs_one_read_then_is_skipped_until_a_probe_answers():
+    """The chain's deadline and health (cache/source.py): a hung first source leaves
+    the next one half the deadline, so the read succeeds; the hung source is skipped
+    at once by the next reads, probed by one read after the back-off, healthy again
+    once it answers. A hung last source fails the read within the deadline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    region, origin = _Gate("region", open_=False), _Gate("origin")
+    chain = FetchChain([region, origin], deadline=1.0, backoff=0.5, backoff_max=1.0)
+    try:
+        start = time.monotonic()
+        assert chain.read_ranges(BLOB, [(0, 10)]) == [b"x" * 10]
+        assert 0.4 < time.monotonic() - start < 5  # the region had half the deadline; no hang
+        assert chain.statistics()["region"]["hangs"] == 1
+        calls = region.calls
+        assert chain.read_ranges(BLOB, [(0, 5)]) == [b"x" * 5]
+        assert region.calls == calls and chain.statistics()["region"]["skipped"] == 1
+        time.sleep(0.6)  # the back-off ends: the reads that come together send one probe
+        with ThreadPoolExecutor(4) as pool:
+            assert all(r == [b"x" * 3] for r in pool.map(lambda _: chain.read_ranges(BLOB, [(0, 3)]), range(4)))
+        assert region.calls == calls + 1 and chain.statistics()["region"]["hangs"] == 2
+        region.gate.set()  # it answers again; the next probe (after a doubled back-off) finds it
+        time.sleep(1.1)
+        chain.read_ranges(BLOB, [(0, 3)])
+        assert chain.statistics()["region"]["ranges"] == 1
+        assert chain.read_ranges(BLOB, [(0, 3)]) and region.calls == calls + 3
+        # a hung last source: the read fails within the deadline
+        origin.gate.clear()
+        alone = FetchChain([origin], deadline=0.5)
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="no answer within"):
+            alone.read_ranges(BLOB, [(0, 1)])
+        assert time.monotonic() - start < 5
+        with pytest.raises(TransportError, match="unhealthy"):
+            alone.read_ranges(BLOB, [(0, 1)])
+    finally:
+        region.gate.set()
+        origin.gate.set()
+        chain.close()

@@ -304,27 +304,16 @@ def test_two_nodes_behind_a_region_cost_the_origin_one_copy(image, tmp_path):
     file: the origin serves the blob once (to the region), the second node's reads are
     region hits."""
     import signal
-    import sys
 
     import requests
 
-    from tests.services import free_port, stop_process
+    from tests.services import start_region, stop_process
 
     registry, ref, manifest, _ = image
     python = manifest["layers"][1]
-    port = free_port()
-    log_path = tmp_path / "region.log"
-    with open(log_path, "wb") as log:
-        region = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", registry.url,
-             "--store", str(tmp_path / "region store")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-        )
+    region, url, ca = start_region(registry.url, tmp_path / "region store", tmp_path / "region.log")
     nodes = []
     try:
-        assert "serving" in region.stdout.readline().decode(), log_path.read_text()
-        url = f"https://127.0.0.1:{port}"  # HTTPS, the CA made at first start, pinned by the nodes
-        ca = str(tmp_path / "region store" / "tls" / "ca.pem")
         origin_before = registry.count("GET", f"/blobs/{python['digest']}")
         datas = []
         for i in range(2):

@@ -140,8 +140,9 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 class _Client:
     """HTTP plumbing for one repository: auth, retries, error messages."""
 
-    def __init__(self, ref: DockerRef, plain_http: bool, push: bool) -> None:
+    def __init__(self, ref: DockerRef, plain_http: bool, push: bool, read_timeout: float = READ_TIMEOUT) -> None:
         self.ref = ref
+        self.timeouts = (min(CONNECT_TIMEOUT, read_timeout), read_timeout)
         self.scheme = "http" if plain_http else "https"
         host = _API_HOSTS.get(ref.host, ref.host)
         self.base = f"{self.scheme}://{host}/v2/{ref.repository}"
@@ -241,7 +242,7 @@ class _Client:
             try:
                 resp = self.session.request(
                     method, url, headers=headers, data=data, stream=True,
-                    timeout=(CONNECT_TIMEOUT, READ_TIMEOUT),
+                    timeout=self.timeouts,
                 )
             except requests.exceptions.SSLError as exc:
                 raise TransportError(self._tls_message(what, exc)) from None
@@ -376,9 +377,11 @@ def _raw_reader(resp: requests.Response, what: str) -> Callable[[int], bytes]:
 class RegistrySource(ImageSource):
     """Reads `docker://HOST/REPO:TAG` or `@sha256:...` from a registry."""
 
-    def __init__(self, ref: DockerRef, plain_http: bool = False) -> None:
+    def __init__(self, ref: DockerRef, plain_http: bool = False, read_timeout: float = READ_TIMEOUT) -> None:
+        """`read_timeout`: seconds a request may wait for the registry's next byte (and
+        at most that to connect)."""
         self._ref = ref
-        self._client = _Client(ref, plain_http, push=False)
+        self._client = _Client(ref, plain_http, push=False, read_timeout=read_timeout)
         self.reference = str(ref)
 
     def get_root(self) -> Manifest:

@@ -173,6 +173,9 @@ class RegionSource(Source):
         datas = [self._read_span(blob, a, b) for a, b in spans]
         return slice_spans(spans, datas, ranges)
 
+    def describe(self, key: str) -> str:
+        return f"region cache {self.url}"
+
     def report_bad(self, blob: BlobRef, ranges: Sequence[tuple[int, int]]) -> None:
         url = f"{self.url}/-/check/{blob.digest}"
         headers = {TOKEN_HEADER: self.link.token} if self.link.token else {}

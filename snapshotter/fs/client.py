@@ -12,6 +12,7 @@ import time
 
 from shoal import localrpc
 from shoal.errors import ShoalError
+from shoal.fsutil import private_dir
 
 log = logging.getLogger("shoal.fs")
 
@@ -48,9 +49,11 @@ class FSClient:
     def _ensure_running(self, timeout: float) -> None:
         if self.running():
             return
-        os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
+        private_dir(os.path.join(self.root, "logs"))
         log_path = os.path.join(self.root, "logs", "fs.log")
-        with open(log_path, "ab") as logf:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # the layers' file names and errors: root's alone
+        with os.fdopen(fd, "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "snapshotter.fs.server", "--root", self.root,
                  "--config-json", json.dumps(self.config)],
@@ -61,8 +64,11 @@ class FSClient:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 with open(log_path, errors="replace") as f:
-                    tail = f.read()[-1500:]
-                raise ShoalError(f"layer file system server exited with {proc.returncode}: {tail.strip()}")
+                    lines = [line.strip() for line in f.read()[-4000:].splitlines() if line.strip()]
+                # its last ERROR line says why (the server logs one line, never a traceback)
+                why = next((line.split(" ERROR ", 1)[1] for line in reversed(lines) if " ERROR " in line),
+                           lines[-1] if lines else "no output")
+                raise ShoalError(f"layer file system server exited with {proc.returncode}: {why} (log: {log_path})")
             if self.running():
                 log.info("layer file system server running (pid %d) at %s", self.pid, self.mnt)
                 return

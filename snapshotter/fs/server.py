@@ -54,7 +54,7 @@ import trio
 from builder.zstdchunked import LayerReader, parse_toc
 from cache.source import BlobRef
 from shoal.errors import ShoalError
-from shoal.fsutil import mounts
+from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir
 from snapshotter.fs.proof import ProofError, prove_blob
 from snapshotter.fs.view import LayerView, Node
 
@@ -450,7 +450,9 @@ class LayerFS(pyfuse3.Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = pyfuse3.ROOT_INODE
         a.entry_timeout = a.attr_timeout = ROOT_TIMEOUT
-        a.st_mode = statmod.S_IFDIR | 0o755
+        # ROOT/mnt lists the node's layers: root's alone (overlayfs looks up its lower
+        # layers with the credentials of whoever mounted it, containerd: root)
+        a.st_mode = statmod.S_IFDIR | 0o700
         a.st_nlink = 2 + len(self.layers)
         a.st_blksize = 4096
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(self.started * 1e9)
@@ -735,9 +737,10 @@ async def _main(fs: LayerFS, root: str) -> None:
 
 
 def run(root: str, config: dict) -> int:
+    os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     mnt = os.path.join(root, "mnt")
-    os.makedirs(mnt, exist_ok=True)
-    os.makedirs(os.path.join(root, "layers"), exist_ok=True)
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
+    private_dir(os.path.join(root, "layers"))
     if os.path.ismount(mnt):  # a server that died without unmounting
         os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")  # noqa: S605
     fs = build_fs(root, config)
@@ -779,15 +782,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shoal-fs %(levelname)s %(message)s", stream=sys.stderr)
     profile = os.environ.get("SHOAL_FS_PROFILE")  # a developer's aid: cProfile output path
-    if profile:
-        import cProfile
+    try:
+        if profile:
+            import cProfile
 
-        prof = cProfile.Profile()
-        try:
-            return prof.runcall(run, os.path.abspath(args.root), json.loads(args.config_json))
-        finally:
-            prof.dump_stats(profile)
-    return run(os.path.abspath(args.root), json.loads(args.config_json))
+            prof = cProfile.Profile()
+            try:
+                return prof.runcall(run, os.path.abspath(args.root), json.loads(args.config_json))
+            finally:
+                prof.dump_stats(profile)
+        return run(os.path.abspath(args.root), json.loads(args.config_json))
+    except (ShoalError, OSError) as e:  # cannot start (or go on): one line, which the node reports
+        why = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror and e.filename else e
+        log.error("cannot serve: %s", why)
+        return 1
 
 
 if __name__ == "__main__":
