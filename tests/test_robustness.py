@@ -138,7 +138,11 @@ def test_a_hung_region_is_skipped_and_reads_go_to_the_origin(tmp_path, stopped):
             assert done.returncode == 0, done.stderr
             assert hashlib.sha256(done.stdout).hexdigest() == digests[name]
         sources = layers.fs.status()["store"]["sources"]
-        assert sources["region"]["hangs"] >= 1 and sources["region"]["skipped"] >= 1, sources
+        # a hung region answers neither the request nor (HTTPS) its TLS handshake: a hang
+        # at the chain's deadline, or the region's own timeout; either way it is then
+        # skipped (the chain's back-off, or the region source's own) for the next reads
+        rs = sources["region"]
+        assert rs["hangs"] + rs["errors"] >= 1 and rs["skipped"] + rs["not_here"] >= 1, rs
         assert sources["origin"]["bytes"] >= 3 << 20, sources
         log = Path(layers.root, "logs", "fs.log").read_text()
         assert f"region cache {url}" in log and "unhealthy" in log, log[-3000:]

@@ -201,9 +201,15 @@ class RegionSource(Source):
             self._down_until = time.monotonic() + self._down_for
             raise TransportError(f"{what}: TLS refused ({_tls_reason(exc)}); "
                                  f"trusting {self.link.ca or 'the system store'}") from None
+        except requests.ReadTimeout:
+            # no answer at all (a hung region: its TLS handshake, or its headers, never
+            # came): skip it for a while, as an unreachable one, so the reads that follow
+            # go to the next source at once
+            self._down_until = time.monotonic() + self._down_for
+            log.warning("region cache %s is unhealthy (no answer in time): skipped for %.0f s", self.url,
+                        self._down_for)
+            raise TransportError(f"{what}: timed out") from None
         except (requests.ConnectionError, requests.ConnectTimeout) as exc:
-            if isinstance(exc, requests.ReadTimeout):
-                raise TransportError(f"{what}: timed out") from None
             self._down_until = time.monotonic() + self._down_for
             raise NotHere(f"region cache {self.url} unreachable: {type(exc).__name__}") from None
         except requests.RequestException as exc:
