@@ -8,10 +8,14 @@ replies are decoded field by field; the parser is fuzzed under h11's rule.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import os
+import select
 import shutil
 import struct
 import subprocess
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -402,3 +406,151 @@ def test_notifications():
     assert data == struct.pack("<IiQ", 16 + 16 + 5, 3, 0) + struct.pack("<QII", 1, 4, 0) + b"name\0"
     with pytest.raises(ValueError):
         p.notify_inval_entry(1, b"a\0b")
+
+
+# --- the real kernel ------------------------------------------------------------------------
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MNT_DETACH = 1, 2, 4, 2
+CONTENT = bytes(range(256)) * 64 + b"tail"  # 16 KiB and a bit: more than one page
+FILE_ATTR = p.Attr(ino=2, mode=0o100444, size=len(CONTENT), mtime_ns=1_700_000_000_000_000_000)
+ROOT_ATTR = p.Attr(ino=p.ROOT_ID, mode=0o040555, nlink=2)
+
+
+class OneFileServer:
+    """A request loop over /dev/fuse made of the protocol module alone: one file, "hello".
+
+    The first READ is left unanswered and NOTIFY_RESEND written instead, as a server that
+    takes over a session would after its predecessor died holding that request.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.negotiated: p.Negotiated | None = None
+        self.dropped: p.Read | None = None
+        self.resent: list[p.Request] = []
+        self.seen: set[str] = set()
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        """Serve until unmounted or `stop` is set (the fd is non-blocking: a loop that
+        waits in read(2) would keep the connection alive past the close of the fd)."""
+        try:
+            while not self.stop.is_set():
+                if not select.select([self.fd], [], [], 0.1)[0]:
+                    continue
+                try:
+                    data = os.read(self.fd, self.negotiated.read_buffer_size if self.negotiated else 1 << 21)
+                except OSError as e:
+                    if e.errno in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: interrupted request
+                        continue
+                    if e.errno == errno.ENODEV:  # unmounted
+                        return
+                    raise
+                req = p.parse_request(data)
+                self.seen.add(type(req).__name__)
+                if req.header.resent:
+                    self.resent.append(req)
+                for out in self.answer(req):
+                    os.write(self.fd, out)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def answer(self, req: p.Request) -> list[bytes]:
+        u, node = req.header.unique, req.header.nodeid
+        attr = ROOT_ATTR if node == p.ROOT_ID else FILE_ATTR
+        match req:
+            case p.Init():
+                self.negotiated = p.negotiate(req, max_write=1 << 20)
+                return [p.reply_init(u, self.negotiated)]
+            case p.Lookup(name=b"hello") if node == p.ROOT_ID:
+                return [p.reply_entry(u, FILE_ATTR, entry_valid_ns=10**9, attr_valid_ns=10**9)]
+            case p.Lookup():
+                return [p.reply_error(u, errno.ENOENT)]
+            case p.Getattr():
+                return [p.reply_attr(u, attr, attr_valid_ns=10**9)]
+            case p.Open() | p.Opendir():
+                return [p.reply_open(u, 7)]
+            case p.Read() if self.dropped is None:
+                self.dropped = req
+                return [p.notify_resend()]
+            case p.Read():
+                return [p.reply(u, CONTENT[req.offset:req.offset + req.size])]
+            case p.Readdirplus():
+                entries = [p.DirEntry(b".", 1, ROOT_ATTR), p.DirEntry(b"..", 2, ROOT_ATTR),
+                           p.DirEntry(b"hello", 3, FILE_ATTR)]
+                body, _ = p.pack_direntplus([e for e in entries if e.off > req.offset], req.size,
+                                            entry_valid_ns=10**9, attr_valid_ns=10**9)
+                return [p.reply(u, body)]
+            case p.Statfs():
+                return [p.reply_statfs(u, blocks=5, bfree=0, bavail=0, files=2, ffree=0)]
+            case p.Getxattr():
+                return [p.reply_error(u, errno.ENODATA)]
+            case p.Listxattr():
+                return [p.reply_xattr(u, req.size, b"")]
+            case p.Release() | p.Releasedir() | p.Access() | p.Destroy():
+                return [p.reply(u)]
+            case p.Forget() | p.BatchForget() | p.Interrupt():
+                return []
+            case _:
+                return [p.reply_error(u, errno.ENOSYS)]
+
+
+def test_serves_the_real_kernel(tmp_path):
+    """Mount through /dev/fuse with this module answering: INIT, lookups, a listing, a read
+    whose request is resent after NOTIFY_RESEND (the takeover's mechanism), invalidations."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse")
+    libc = ctypes.CDLL(None, use_errno=True)
+    mnt = tmp_path / "mnt with space"
+    mnt.mkdir()
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    mounted = False
+    server = OneFileServer(fd)
+    loop = threading.Thread(target=server.run, daemon=True)
+    try:
+        opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,default_permissions".encode()
+        if libc.mount(b"shoaltest", bytes(mnt), b"fuse.shoaltest", MS_RDONLY | MS_NOSUID | MS_NODEV, opts) != 0:
+            pytest.fail(f"mount: {os.strerror(ctypes.get_errno())}")
+        mounted = True
+        loop.start()
+        result: dict[str, object] = {}
+
+        def client() -> None:
+            try:
+                result["list"] = sorted(os.listdir(mnt))
+                result["stat"] = os.stat(mnt / "hello")
+                result["data"] = (mnt / "hello").read_bytes()
+                result["statvfs"] = os.statvfs(mnt)
+                result["missing"] = os.path.exists(mnt / "nope")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                result["error"] = e
+
+        reader = threading.Thread(target=client, daemon=True)
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive(), f"the client hangs; server saw {sorted(server.seen)}"
+        assert server.error is None, repr(server.error)
+        assert "error" not in result, repr(result.get("error"))
+        assert result["list"] == ["hello"] and result["missing"] is False
+        assert result["stat"].st_size == len(CONTENT) and result["stat"].st_mode == 0o100444
+        assert result["stat"].st_mtime_ns == FILE_ATTR.mtime_ns and result["stat"].st_ino == 2
+        assert result["data"] == CONTENT
+        assert result["statvfs"].f_blocks == 5
+        # the kernel offered resend, and sent the unanswered READ again with the resend bit
+        assert server.negotiated is not None and server.negotiated.has_resend
+        assert server.dropped is not None
+        again = [r for r in server.resent if isinstance(r, p.Read)]
+        assert again and again[0].header.unique == server.dropped.header.unique | p.FUSE_UNIQUE_RESEND
+        assert (again[0].offset, again[0].size) == (server.dropped.offset, server.dropped.size)
+        # the kernel takes the invalidations (a wrong code or layout is EINVAL or ENOENT)
+        assert os.write(fd, p.notify_inval_inode(2, 0, 0)) == 40
+        assert os.write(fd, p.notify_inval_entry(p.ROOT_ID, b"hello")) == 16 + 16 + 6
+        assert (mnt / "hello").read_bytes() == CONTENT  # looked up and read again after them
+    finally:
+        server.stop.set()
+        if loop.is_alive():
+            loop.join(10)
+        umounted = not mounted or libc.umount2(bytes(mnt), MNT_DETACH) == 0
+        os.close(fd)  # the last reference: aborts the connection, a client still waiting gets ENOTCONN
+    assert umounted and not loop.is_alive()
