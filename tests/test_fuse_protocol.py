@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import select
 import shutil
@@ -304,6 +305,31 @@ def test_negotiate_flags2_and_an_old_kernel():
             p.negotiate(bad)
 
 
+def test_negotiated_state_round_trip():
+    n = p.negotiate(init(45, EXT_INIT_FLAGS))
+    assert p.Negotiated.from_json(n.to_json()) == n
+    good = json.loads(n.to_json())
+    for bad in (b"", b"[]", b"{", b"[" * 100_000, json.dumps({**good, "minor": 41}).encode(),
+                json.dumps({**good, "minor": 27}).encode(), json.dumps({**good, "flags": -1}).encode(),
+                json.dumps({**good, "flags": 1.0}).encode(), json.dumps({**good, "flags": True}).encode(),
+                json.dumps({**good, "extra": 1}).encode(), json.dumps({k: v for k, v in good.items()
+                                                                      if k != "max_write"}).encode()):
+        with pytest.raises(p.ProtocolError):
+            p.Negotiated.from_json(bad)
+
+
+@FUZZ
+@given(st.binary(max_size=200) | st.dictionaries(st.sampled_from(["minor", "flags", "kernel_flags", "max_readahead",
+                                                                  "max_write", "max_pages", "x"]),
+                                                 st.integers(-5, 2**65) | st.none() | st.text(max_size=3))
+       .map(lambda d: json.dumps(d).encode()))
+def test_fuzz_negotiated_state(data):
+    try:
+        p.Negotiated.from_json(data)
+    except p.ProtocolError:
+        pass
+
+
 # --- replies --------------------------------------------------------------------------------
 
 
@@ -419,23 +445,29 @@ ROOT_ATTR = p.Attr(ino=p.ROOT_ID, mode=0o040555, nlink=2)
 class OneFileServer:
     """A request loop over /dev/fuse made of the protocol module alone: one file, "hello".
 
-    The first READ is left unanswered and NOTIFY_RESEND written instead, as a server that
-    takes over a session would after its predecessor died holding that request.
+    `die_on_read`: the loop stops at its first READ without answering it, as a process
+    killed while it holds a request. `negotiated`: the loop takes over a session whose INIT
+    its predecessor answered; it writes NOTIFY_RESEND first, so what that one held comes again.
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, *, negotiated: p.Negotiated | None = None, die_on_read: bool = False):
         self.fd = fd
-        self.negotiated: p.Negotiated | None = None
+        self.negotiated = negotiated
+        self.takes_over = negotiated is not None
+        self.die_on_read = die_on_read
         self.dropped: p.Read | None = None
         self.resent: list[p.Request] = []
         self.seen: set[str] = set()
         self.error: BaseException | None = None
         self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
         """Serve until unmounted or `stop` is set (the fd is non-blocking: a loop that
         waits in read(2) would keep the connection alive past the close of the fd)."""
         try:
+            if self.takes_over:
+                os.write(self.fd, p.notify_resend())
             while not self.stop.is_set():
                 if not select.select([self.fd], [], [], 0.1)[0]:
                     continue
@@ -471,9 +503,10 @@ class OneFileServer:
                 return [p.reply_attr(u, attr, attr_valid_ns=10**9)]
             case p.Open() | p.Opendir():
                 return [p.reply_open(u, 7)]
-            case p.Read() if self.dropped is None:
+            case p.Read() if self.die_on_read:
                 self.dropped = req
-                return [p.notify_resend()]
+                self.stop.set()
+                return []
             case p.Read():
                 return [p.reply(u, CONTENT[req.offset:req.offset + req.size])]
             case p.Readdirplus():
@@ -496,61 +529,72 @@ class OneFileServer:
                 return [p.reply_error(u, errno.ENOSYS)]
 
 
-def test_serves_the_real_kernel(tmp_path):
-    """Mount through /dev/fuse with this module answering: INIT, lookups, a listing, a read
-    whose request is resent after NOTIFY_RESEND (the takeover's mechanism), invalidations."""
+def test_serves_the_real_kernel_and_hands_over(tmp_path):
+    """Mount through /dev/fuse with this module answering; the first server dies holding a
+    READ, a second one takes the session over from a held descriptor without an INIT,
+    writes NOTIFY_RESEND, gets that READ again and answers it: the client never fails."""
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         pytest.skip("needs root and /dev/fuse")
     libc = ctypes.CDLL(None, use_errno=True)
     mnt = tmp_path / "mnt with space"
     mnt.mkdir()
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    held = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)  # the holder's descriptor
     mounted = False
-    server = OneFileServer(fd)
-    loop = threading.Thread(target=server.run, daemon=True)
+    first = OneFileServer(os.dup(held), die_on_read=True)
+    second: OneFileServer | None = None
     try:
-        opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0,default_permissions".encode()
+        opts = f"fd={held},rootmode=40000,user_id=0,group_id=0,default_permissions".encode()
         if libc.mount(b"shoaltest", bytes(mnt), b"fuse.shoaltest", MS_RDONLY | MS_NOSUID | MS_NODEV, opts) != 0:
             pytest.fail(f"mount: {os.strerror(ctypes.get_errno())}")
         mounted = True
-        loop.start()
+        first.thread.start()
         result: dict[str, object] = {}
 
         def client() -> None:
             try:
                 result["list"] = sorted(os.listdir(mnt))
                 result["stat"] = os.stat(mnt / "hello")
-                result["data"] = (mnt / "hello").read_bytes()
                 result["statvfs"] = os.statvfs(mnt)
                 result["missing"] = os.path.exists(mnt / "nope")
+                result["data"] = (mnt / "hello").read_bytes()
             except BaseException as e:  # noqa: BLE001 - reported below
                 result["error"] = e
 
         reader = threading.Thread(target=client, daemon=True)
         reader.start()
+        first.thread.join(30)
+        assert not first.thread.is_alive() and first.error is None, (sorted(first.seen), first.error)
+        assert first.dropped is not None and reader.is_alive()  # the client waits for its READ
+        os.close(first.fd)  # the dead process's descriptor goes; the holder's keeps the session
+        first.fd = -1
+        assert first.negotiated is not None and first.negotiated.has_resend  # the kernel offered it
+        second = OneFileServer(os.dup(held), negotiated=first.negotiated)
+        second.thread.start()
         reader.join(30)
-        assert not reader.is_alive(), f"the client hangs; server saw {sorted(server.seen)}"
-        assert server.error is None, repr(server.error)
+        assert not reader.is_alive(), f"the client hangs; the second server saw {sorted(second.seen)}"
+        assert second.error is None, repr(second.error)
         assert "error" not in result, repr(result.get("error"))
         assert result["list"] == ["hello"] and result["missing"] is False
         assert result["stat"].st_size == len(CONTENT) and result["stat"].st_mode == 0o100444
         assert result["stat"].st_mtime_ns == FILE_ATTR.mtime_ns and result["stat"].st_ino == 2
-        assert result["data"] == CONTENT
         assert result["statvfs"].f_blocks == 5
-        # the kernel offered resend, and sent the unanswered READ again with the resend bit
-        assert server.negotiated is not None and server.negotiated.has_resend
-        assert server.dropped is not None
-        again = [r for r in server.resent if isinstance(r, p.Read)]
-        assert again and again[0].header.unique == server.dropped.header.unique | p.FUSE_UNIQUE_RESEND
-        assert (again[0].offset, again[0].size) == (server.dropped.offset, server.dropped.size)
+        assert result["data"] == CONTENT
+        assert "Init" not in second.seen
+        again = [r for r in second.resent if isinstance(r, p.Read)]
+        assert again and again[0].header.unique == first.dropped.header.unique | p.FUSE_UNIQUE_RESEND
+        assert (again[0].offset, again[0].size) == (first.dropped.offset, first.dropped.size)
         # the kernel takes the invalidations (a wrong code or layout is EINVAL or ENOENT)
-        assert os.write(fd, p.notify_inval_inode(2, 0, 0)) == 40
-        assert os.write(fd, p.notify_inval_entry(p.ROOT_ID, b"hello")) == 16 + 16 + 6
+        assert os.write(held, p.notify_inval_inode(2, 0, 0)) == 40
+        assert os.write(held, p.notify_inval_entry(p.ROOT_ID, b"hello")) == 16 + 16 + 6
         assert (mnt / "hello").read_bytes() == CONTENT  # looked up and read again after them
     finally:
-        server.stop.set()
-        if loop.is_alive():
-            loop.join(10)
+        for server in (first, second):
+            if server is not None:
+                server.stop.set()
+                if server.thread.is_alive():
+                    server.thread.join(10)
+                if server.fd >= 0:
+                    os.close(server.fd)
         umounted = not mounted or libc.umount2(bytes(mnt), MNT_DETACH) == 0
-        os.close(fd)  # the last reference: aborts the connection, a client still waiting gets ENOTCONN
-    assert umounted and not loop.is_alive()
+        os.close(held)  # the last reference: aborts the connection, a client still waiting gets ENOTCONN
+    assert umounted and not first.thread.is_alive() and not (second and second.thread.is_alive())

@@ -35,7 +35,7 @@ offers; we answer major 7 and minor min(kernel's, PROTOCOL_MINOR), and the flags
 among those offered. After that the kernel sends the argument structs of the negotiated
 minor, so every body below has one exact size (only INIT, which precedes negotiation, is
 accepted at its pre-7.36 size of 16 bytes too). A server that takes over a connection
-gets no INIT: it must be handed the `Negotiated` of the process it replaces.
+gets no INIT: it must be handed the `Negotiated` of the process it replaces (to_json/from_json).
 
 The layouts are checked against the C header by tests/test_fuse_protocol.py (gcc,
 sizeof/offsetof of every struct and field in LAYOUTS). The Debian header is 7.38 while
@@ -47,8 +47,10 @@ fuse_init_out.unused[0] became max_stack_depth); we leave both zero.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
+import json
 import stat as statmod
 import struct
 from dataclasses import dataclass
@@ -590,6 +592,28 @@ class Negotiated:
     def read_buffer_size(self) -> int:
         """The size of a /dev/fuse read buffer that any request fits (the kernel's minimum)."""
         return max(MIN_READ_BUFFER, self.max_write + 4096)
+
+    def to_json(self) -> bytes:
+        """What the holder of the session's descriptor keeps for the next server."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Negotiated:
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError):
+            raise ProtocolError("FUSE session state: not JSON") from None
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(value, dict) or sorted(value) != sorted(names):
+            raise ProtocolError(f"FUSE session state: want exactly the keys {', '.join(names)}")
+        for name in names:
+            v = value[name]
+            if type(v) is not int or not 0 <= v < 1 << 64:
+                raise ProtocolError(f"FUSE session state: {name} = {v!r}, want an integer in 0..2^64-1")
+        if not MIN_KERNEL_MINOR <= value["minor"] <= PROTOCOL_MINOR:
+            raise ProtocolError(f"FUSE session state: minor {value['minor']}, want "
+                                f"{MIN_KERNEL_MINOR}..{PROTOCOL_MINOR}")
+        return cls(**value)
 
 
 def negotiate(init: Init, *, want: int = DEFAULT_FLAGS, max_readahead: int = 1 << 20,
