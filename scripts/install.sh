@@ -9,6 +9,7 @@ APT_PACKAGES=(
   containerd runc docker-registry   # the runtime and the origin registry used in tests
   zstd gzip tar busybox-static      # reference compressors, test image contents
   fuse3 libfuse3-dev pkg-config     # FUSE mounts (pyfuse3 builds against libfuse3)
+  gcc linux-libc-dev                # tests/test_fuse_protocol.py checks our FUSE layouts against <linux/fuse.h>
   skopeo podman                     # zstd:chunked interop checks
   apache2-utils openssl             # htpasswd and token auth for the registry tests
   iproute2                          # network namespaces for swarm tests
