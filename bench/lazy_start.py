@@ -315,8 +315,11 @@ def shoal_side(ns, registry, image: Image, ref: str, work: Path, procs: Procs, p
     workdir.mkdir(parents=True, exist_ok=True)
     node = server = None
     try:
-        node, root, sock = start_shoal_node(ns, workdir, procs,
-                                            "" if profiles else "[fetch]\nprefetch_profiles = false\n")
+        # the node asks this containerd which images name a chain (chain proofs); a node that
+        # cannot ask it proves every lazy chain before a container starts on it
+        ctd_address = json.dumps(str(workdir / "containerd" / "containerd.sock"))
+        fetch = "" if profiles else "[fetch]\nprefetch_profiles = false\n"
+        node, root, sock = start_shoal_node(ns, workdir, procs, f"{fetch}[containerd]\naddress = {ctd_address}\n")
         server = start_containerd_in(ns, workdir / "containerd", procs, proxy_socket=sock)
         mark = registry_mark(registry)
         t0 = time.perf_counter()
