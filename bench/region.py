@@ -16,7 +16,15 @@ Figures: aggregate throughput (client bytes / wall time) of each, their ratios t
 origin's, and origin requests: the number of blob GETs the origin saw per 100 client
 misses (without a region: 100).
 
+4. tail, the lazy start's first read (a node reads a layer's TOC at its end): one client
+   asks for the last MiB of the blob, from the origin directly, then through a cold
+   region (a fresh `shoal region`, empty store, no access remembered), --samples times
+   each. Figures: the median answer time of each and their ratio (target: at most
+   1.5), where the region's fill was when the answer came, and the origin bytes per
+   blob byte once the fill is done (the fill's whole copy plus the range reads).
+
     .venv/bin/python bench/region.py [--quick] [--json] [--clients N] [--size-mb N] [--range-kb N]
+                                     [--scenario all|throughput|tail] [--samples N]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,13 +126,13 @@ def make_blob(path: Path, size: int) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def start_region(work: Path, origin_url: str) -> tuple[subprocess.Popen, int, Path]:
+def start_region(work: Path, origin_url: str, store: str = "region-store") -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     log_path = work / "region.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [str(REPO / ".venv/bin/python"), "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
-             "--origin", origin_url, "--store", str(work / "region-store")],
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
+             "--origin", origin_url, "--store", str(work / store)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
         )
     line = proc.stdout.readline().decode()
@@ -148,11 +157,76 @@ def wait_idle(port: int, timeout: float = 600) -> dict:
     return status
 
 
+def stop_region(region: subprocess.Popen) -> None:
+    region.send_signal(signal.SIGTERM)
+    try:
+        region.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_process(region)
+    region.stdout.close()
+
+
+def read_range(host: str, port: int, digest: str, start: int, end: int) -> tuple[float, bytes]:
+    """(seconds, body) of one GET of bytes [start, end) on a new connection, as a node's
+    first request makes it."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=300)
+    conn.request("GET", f"/v2/{REPOSITORY}/blobs/{digest}", headers={"Range": f"bytes={start}-{end - 1}"})
+    resp = conn.getresponse()
+    body = resp.read()
+    seconds = time.perf_counter() - t0
+    conn.close()
+    if resp.status != 206 or len(body) != end - start:
+        raise RuntimeError(f"HTTP {resp.status}, {len(body)} bytes for bytes {start}-{end - 1}")
+    return seconds, body
+
+
+def run_tail(work: Path, registry, digest: str, size: int, blob_path: Path, samples: int) -> dict:
+    """Scenario 4 (module doc): the last MiB, from the origin and through a cold region."""
+    start, end = max(0, size - (1 << 20)), size
+    with open(blob_path, "rb") as fh:
+        want = os.pread(fh.fileno(), end - start, start)
+    host, port = registry.host.split(":")
+    origin_times, region_times, fill_at_answer = [], [], []
+    origin_ratio = None
+    for i in range(samples):
+        seconds, body = read_range(host, int(port), digest, start, end)
+        assert body == want, "the origin answered wrong bytes"
+        origin_times.append(seconds)
+        region, rport, _ = start_region(work, registry.url, f"tail-store-{i}")
+        try:
+            seconds, body = read_range("127.0.0.1", rport, digest, start, end)
+            status = region_status(rport)
+            if body != want:
+                raise RuntimeError("the region answered wrong bytes")
+            region_times.append(seconds)
+            fill = status.get("filling", {}).get(digest)
+            fill_at_answer.append(fill["written"] if fill else size)
+            if i == samples - 1:
+                status = wait_idle(rport)
+                origin_ratio = (status["origin_bytes"] + status.get("origin_range_bytes", 0)) / size
+        finally:
+            stop_region(region)
+            shutil.rmtree(work / f"tail-store-{i}", ignore_errors=True)
+    origin_s, region_s = statistics.median(origin_times), statistics.median(region_times)
+    return {
+        "range_bytes": end - start, "samples": samples,
+        "origin_s": round(origin_s, 4), "region_cold_s": round(region_s, 4),
+        "ratio": round(region_s / origin_s, 2),
+        "origin_times_s": [round(t, 4) for t in origin_times], "region_times_s": [round(t, 4) for t in region_times],
+        "fill_bytes_at_answer": fill_at_answer,
+        "origin_bytes_per_blob_byte": round(origin_ratio, 4) if origin_ratio is not None else None,
+    }
+
+
 def main() -> int:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
     p.add_argument("--size-mb", type=int, help="blob size in MiB (default 1024, --quick 100)")
     p.add_argument("--range-kb", type=int, default=1024, help="bytes per Range request in KiB (default 1024)")
+    p.add_argument("--scenario", choices=("all", "throughput", "tail"), default="all",
+                   help="throughput (1-3), tail (4) or all (default)")
+    p.add_argument("--samples", type=int, default=3, help="cold regions measured in the tail scenario (default 3)")
     args = p.parse_args()
     size = (args.size_mb or (100 if args.quick else 1024)) << 20
     range_size = args.range_kb << 10
@@ -170,6 +244,13 @@ def main() -> int:
         dest.put_blob(str(blob_path), digest, size)
         dest.close()
         host, port = registry.host.split(":")
+        tail = None
+        if args.scenario in ("all", "tail"):
+            say(f"tail: the last MiB of the {size >> 20} MiB blob, from the origin and through a cold region "
+                f"({args.samples} samples)")
+            tail = run_tail(work, registry, digest, size, blob_path, max(1, args.samples))
+        if args.scenario == "tail":
+            return report_tail(tail, size, args.json)
 
         say(f"origin: {clients} clients x {size >> 20} MiB in {range_size >> 10} KiB ranges")
         before = registry.count("GET", f"/blobs/{digest}")[0]
@@ -196,12 +277,7 @@ def main() -> int:
         final = region_status(rport)
     finally:
         if region is not None:
-            region.send_signal(signal.SIGTERM)
-            try:
-                region.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                stop_process(region)
-            region.stdout.close()
+            stop_region(region)
         if registry is not None:
             registry.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -223,6 +299,7 @@ def main() -> int:
         "cold_client_misses": cold["client_misses"], "cold_client_hits": cold["client_hits"],
         "cold_coalesced": cold["coalesced"],
         "origin_bytes_cold": final["origin_bytes"],
+        "tail": tail,
     }
     if args.json:
         emit_json(figures)
@@ -240,6 +317,22 @@ def main() -> int:
     print(table(["served by", "seconds", "MB/s", "vs origin", "origin blob GETs"], rows))
     print(f"origin requests per 100 client misses: {figures['origin_requests_per_100_misses']} with the region "
           f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without")
+    if tail is not None:
+        print()
+        report_tail(tail, size, False)
+    return 0
+
+
+def report_tail(tail: dict, size: int, as_json: bool) -> int:
+    if as_json:
+        emit_json({"blob_bytes": size, "cpus": os.cpu_count(), "tail": tail})
+        return 0
+    print(f"the last MiB of a cold {size >> 20} MiB blob (median of {tail['samples']}, new connection each)")
+    print(table(["served by", "seconds"], [["origin registry, direct", f"{tail['origin_s']:.4f}"],
+                                          ["region cache, cold", f"{tail['region_cold_s']:.4f}"]]))
+    at = ", ".join(f"{n >> 20} MiB" for n in tail["fill_bytes_at_answer"])
+    print(f"region / origin: {tail['ratio']:.2f}x (target at most 1.5x); the region's fill had "
+          f"written {at} when each answer came; origin bytes per blob byte: {tail['origin_bytes_per_blob_byte']}")
     return 0
 
 

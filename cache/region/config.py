@@ -10,6 +10,9 @@ Every option, with its default (an empty file, or none, gives these):
     origin_verify_tls = true       # check the origin's TLS certificate
     io_threads = 32                # worker threads for file and S3 I/O (never on the event loop)
     block_size = "1M"              # bytes per read/write when streaming blobs
+    fill_window = "4M"             # a range that starts at most this far past a running fill waits
+                                   # for it; one farther ahead is read from the origin as a range
+                                   # at once (docs/cache.md); "1T": every range waits for the fill
 
     [disk]
     capacity = ""                  # bytes ("500G"); empty: the recorded one, else 20% of free disk
@@ -81,6 +84,7 @@ class RegionConfig:
     origin_verify_tls: bool = True
     io_threads: int = field(default=32, metadata=limits(min=1, max=1024))
     block_size: int = field(default=1 << 20, metadata=limits(min=4096, max=64 << 20, size=True))
+    fill_window: int = field(default=4 << 20, metadata=limits(min=0, size=True))
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
