@@ -279,7 +279,9 @@ class LabRegistry:
         return n, total
 
 
-def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
+def start_registry(lab: Lab, workdir: Path, port: int = 5000, host: Host | None = None) -> LabRegistry:
+    """docker-registry in the hub, or in `host` (a node namespace: behind its capped link)."""
+    host = host or lab.hub
     storage = workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
     config = workdir / "registry.yml"
@@ -287,13 +289,13 @@ def start_registry(lab: Lab, workdir: Path, port: int = 5000) -> LabRegistry:
         "version": 0.1,
         "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(storage)}},
-        "http": {"addr": f"{HUB_IP}:{port}", "secret": os.urandom(16).hex()},
+        "http": {"addr": f"{host.ip}:{port}", "secret": os.urandom(16).hex()},
     }))
     log_path = workdir / "registry.log"
     with open(log_path, "wb") as log:
-        proc = lab.popen(lab.hub, [REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    reg = LabRegistry(f"{HUB_IP}:{port}", log_path, proc)
-    wait_http(lab, lab.hub, f"http://{reg.host}/v2/", proc)
+        proc = lab.popen(host, [REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    reg = LabRegistry(f"{host.ip}:{port}", log_path, proc)
+    wait_http(lab, host, f"http://{reg.host}/v2/", proc)
     return reg
 
 
