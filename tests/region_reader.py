@@ -8,8 +8,11 @@ tests/test_region_ranges.py:
         --seed N --threads N --at EPOCH
 
 prints one JSON object: {"toc": [start, end], "files": {name: sha256 of the content},
-"reads": [[start, end], ...] (the compressed spans read, in order)}. Exit 1 with one
-line on stderr when a read fails.
+"asked": [[start, end], ...] (the compressed ranges asked of the region), "loads":
+[[start, end, before, after], ...] (the TOC's and each file's compressed span, with the
+region's fill position for the blob just before and just after it was read: the
+region's /-/status `filling`, the blob's size once no fill runs)}. Exit 1 with one line
+on stderr when a read fails.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import random
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
@@ -75,13 +79,26 @@ def main() -> int:
     p.add_argument("--at", type=float, default=0.0, help="start at this time.time()")
     args = p.parse_args()
 
+    def fill_position() -> int:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        status = json.loads(opener.open(args.region + "/-/status", timeout=10).read())
+        return (status["filling"].get(args.digest) or {"written": args.size})["written"]
+
+    def timed_load(start: int, end: int, load):
+        before = fill_position()
+        out = load()
+        loads.append([start, end, before, fill_position()])
+        return out
+
+    loads: list[list[int]] = []
     loc = location_from_annotations(json.loads(args.annotations))
     blob = BlobRef(args.registry, args.repository, args.digest, args.size, plain_http=True)
     source = _Recording(args.region)
     chain = FetchChain([source])
     time.sleep(max(0.0, args.at - time.time()))
     try:
-        [compressed] = chain.read_ranges(blob, [(loc.toc.offset, loc.toc.end)])
+        [compressed] = timed_load(loc.toc.offset, loc.toc.end,
+                                  lambda: chain.read_ranges(blob, [(loc.toc.offset, loc.toc.end)]))
         toc = parse_toc(decompress_toc(compressed, loc.toc_digest, loc.toc.uncompressed), args.size)
         loader = NodeChunkLoader(blob, chain, _Memory(), SingleFlight(), args.digest, readahead=0)
         loader.set_layout([c for e in toc.files() for c in e.chunks])
@@ -89,7 +106,8 @@ def main() -> int:
         random.Random(args.seed).shuffle(files)
 
         def read(entry) -> tuple[str, str]:
-            data = b"".join(loader.load(entry.chunks, f"{args.digest} {entry.name}"))
+            data = b"".join(timed_load(entry.chunks[0].start, entry.chunks[-1].end,
+                                       lambda: loader.load(entry.chunks, f"{args.digest} {entry.name}")))
             return entry.name, "sha256:" + hashlib.sha256(data).hexdigest()
 
         with ThreadPoolExecutor(args.threads) as pool:
@@ -99,7 +117,8 @@ def main() -> int:
         return 1
     finally:
         source.close()
-    print(json.dumps({"toc": [loc.toc.offset, loc.toc.end], "files": contents, "reads": source.asked}))
+    print(json.dumps({"toc": [loc.toc.offset, loc.toc.end], "files": contents, "asked": source.asked,
+                      "loads": loads}))
     return 0
 
 

@@ -177,8 +177,8 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
     """Four nodes start reading one cold lazy layer at the same moment behind a cold
     region: each reads the TOC, then every file in an order of its own. The origin serves
     the TOC range once and every chunk range at most once (plus the fill's one whole
-    copy), and no read waits for the fill: when all four are done, the fill has not yet
-    reached the TOC, nor most of the chunks they read."""
+    copy), and no read waits for the fill: each node has the TOC, and files, while the
+    region's fill has not reached them yet."""
     blob, annotations, want = _chunked_layer(2)
     digest = world.push("ranges/lazy", blob)
     loc = location_from_annotations(annotations)
@@ -195,17 +195,15 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
         stdout, stderr = proc.communicate(timeout=180)
         assert proc.returncode == 0, stderr.decode()[-2000:]
         outs.append(json.loads(stdout))
-    status = world.eager.status(world.lab)["region"]
-    filling = status["filling"].get(digest)
-
     for out in outs:
         assert out["files"] == want and out["toc"] == [loc.toc.offset, loc.toc.end]
-    # no read waited for the fill: all are answered, and the fill is still far behind
-    assert filling is not None, status
-    behind = filling["written"]
-    reads = [r for out in outs for r in out["reads"]]
-    assert behind < loc.toc.offset
-    assert sum(a >= behind for a, _ in reads) > len(reads) / 2, (behind, len(blob))
+    # no read waited for the fill: every node had its TOC, at the blob's end, while the
+    # fill was still before it, and read files that the fill had not reached yet
+    for out in outs:
+        toc_start, _, _, after = out["loads"][0]
+        assert after < toc_start, out["loads"][0]
+        ahead = [load for load in out["loads"][1:] if load[3] < load[0]]
+        assert ahead, out["loads"]
 
     status = _wait_committed(world, world.eager, digest)
     origin = world.origin_reads(digest)
@@ -213,9 +211,11 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
     ranges = [w for code, w in origin if code == 206]
     assert all(code in (200, 206) for code, _ in origin)
     # every byte the nodes asked for came from the origin at most once
-    asked = _union([tuple(r) for r in reads] + [(loc.toc.offset, loc.toc.end)])
+    asked = _union([tuple(r) for out in outs for r in out["asked"]])
     assert sum(ranges) <= asked
     assert ranges.count(loc.toc.end - loc.toc.offset) == 1  # four nodes, one TOC range read
-    assert status["range_joins"] >= 3 and status["origin_range_bytes"] == sum(ranges)
+    # (the region counts what it received: a read the fill overtook is cut, the origin may
+    # have sent more into the connection than the region read from it)
+    assert status["range_joins"] >= 3 and 0 < status["origin_range_bytes"] <= sum(ranges)
     # ... while serving each node every byte it read
     assert status["bytes_served"] >= 4 * asked

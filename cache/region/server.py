@@ -88,6 +88,7 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _MAX_REMEMBERED = 100_000
 RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
+_AHEAD_PIECE = 256 << 10  # bytes a range read hands on at a time (clients get them as they come)
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
@@ -867,16 +868,20 @@ class RegionCache:
 
     async def _wait_readable(self, fill: Fill, pos: int, end: int, want: int, ahead: bool,
                              authorization: str | None, note: dict) -> None:
-        """Until `want` bytes from `pos` are readable in the staging file. A range answer
-        (`ahead`) whose next byte is more than fill_window past the fill gets it from a
-        range read (started here unless one brings it already); anything else waits for
-        the fill. Raises the fill's failure, or that of the range read it waited for."""
+        """Until `want` bytes from `pos` are readable in the staging file, or any when the
+        rest comes from a range read (its bytes go out as they arrive: the node checks
+        them, and a failure later cuts the answer). A range answer (`ahead`) whose next
+        byte is more than fill_window past the fill gets it from a range read (started
+        here unless one brings it already); anything else waits for the fill. Raises
+        the fill's failure, or that of the range read it waited for."""
         while (have := fill.readable(pos, end, ahead)) < want:
             if fill.error is not None:
                 raise fill.error
             read = self._read_ahead(fill, pos + have, end, authorization, note) if ahead else None
             if read is not None and read.error is not None:
                 raise read.error
+            if read is not None and have > 0:
+                return
             await fill.wait_until(lambda: fill.error is not None or fill.readable(pos, end, ahead) > have
                                   or (read is not None and read.done))
 
@@ -930,16 +935,17 @@ class RegionCache:
                     raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered Content-Range "
                                       f"{resp.headers.get('Content-Range')!r} for {what}")
                 pos, buf = read.start, bytearray()
+                flush = min(self._block, _AHEAD_PIECE)
                 try:
                     async for piece in resp.content.iter_chunked(self._block):
                         buf += piece
-                        if len(buf) < self._block and pos + len(buf) < read.end:
+                        self.stats["origin_range_bytes"] += len(piece)
+                        if len(buf) < flush and pos + len(buf) < read.end:
                             continue
                         await fill.wait_until(lambda: fill.fd >= 0 or fill.done)
                         if fill.done or fill.written >= read.end:
                             return  # the fill has passed it
                         await self._run(_write_ahead, fill, bytes(buf), pos)
-                        self.stats["origin_range_bytes"] += len(buf)
                         pos += len(buf)
                         buf.clear()
                         read.got = pos - read.start
