@@ -219,3 +219,53 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
     assert status["range_joins"] >= 3 and 0 < status["origin_range_bytes"] <= sum(ranges)
     # ... while serving each node every byte it read
     assert status["bytes_served"] >= 4 * asked
+
+
+_GET_OUTCOME = """
+import json, sys, urllib.request, http.client
+url, first, last = sys.argv[1:]
+req = urllib.request.Request(url, headers={"Range": f"bytes={first}-{last}"})
+try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        body = resp.read()
+    print(json.dumps({"status": resp.status, "len": len(body)}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "len": 0, "body": e.read().decode(errors="replace")[:300]}))
+except (http.client.IncompleteRead, ConnectionError) as e:
+    print(json.dumps({"status": "cut", "len": len(getattr(e, "partial", b""))}))
+"""
+
+
+def test_a_range_read_that_loses_the_origin_fails_the_answer_without_retrying(world, tmp_path):
+    """The origin goes away while a range read ahead of the fill is under way: the
+    client's answer is cut (a short body; a node asks its next source), the region does
+    not retry the read on its own, and answers the next request
+    for the blob with one clear error instead of hanging."""
+    lab = world.lab
+    host = lab.add_node()
+    registry = netlab.start_registry(lab, tmp_path / "origin", host=host)
+    region = netlab.start_region(lab, tmp_path / "region", registry, port=5082)
+    data = random.Random(3).randbytes(24 * MiB)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (tmp_path / "blob").write_bytes(data)
+    netlab.push_blob(lab, registry, "ranges/lost", tmp_path / "blob", digest)
+    lab.cap(host, 20)  # 2.5 MB/s: the 8 MiB range below takes seconds
+    url = f"{region.url}/v2/ranges/lost/blobs/{digest}"
+    start = len(data) - 8 * MiB
+    client = lab.popen(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: region.status(lab)["region"]["range_reads"] >= 1, "the range read to start", 30)
+    time.sleep(0.5)
+    lab.kill(registry.proc)
+    stdout, stderr = client.communicate(timeout=120)
+    outcome = json.loads(stdout)
+    assert outcome["status"] in ("cut", 502) and outcome["len"] < 8 * MiB, outcome
+
+    status = wait_for(lambda: (s := region.status(lab)["region"])["fills_running"] == 0 and s, "the fill to end", 60)
+    assert status["range_reads"] == 1  # failed (or stopped with the failed fill), not retried
+    assert status["fills_failed"] == 1 and status["fills_committed"] == 0
+    out = lab.run(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
+                  timeout=120)
+    again = json.loads(out.stdout)
+    assert again["status"] in (502, 503) and "192.0.2" in again["body"], again  # names the origin
+    lab.kill(region.proc)

@@ -873,17 +873,18 @@ class RegionCache:
         them, and a failure later cuts the answer). A range answer (`ahead`) whose next
         byte is more than fill_window past the fill gets it from a range read (started
         here unless one brings it already); anything else waits for the fill. Raises
-        the fill's failure, or that of the range read it waited for."""
+        the fill's failure, or that of the range read it waited for (no retry: the
+        client, a node, asks its next source)."""
         while (have := fill.readable(pos, end, ahead)) < want:
             if fill.error is not None:
                 raise fill.error
             read = self._read_ahead(fill, pos + have, end, authorization, note) if ahead else None
-            if read is not None and read.error is not None:
-                raise read.error
             if read is not None and have > 0:
                 return
             await fill.wait_until(lambda: fill.error is not None or fill.readable(pos, end, ahead) > have
                                   or (read is not None and read.done))
+            if read is not None and read.error is not None and fill.readable(pos, end, ahead) <= have:
+                raise read.error
 
     def _read_ahead(self, fill: Fill, pos: int, end: int, authorization: str | None, note: dict) -> RangeRead | None:
         """The range read that brings byte `pos`, or None when `pos` is to wait for the
