@@ -14,7 +14,8 @@ read in different orders), all released at the same moment:
 
 Figures: aggregate throughput (client bytes / wall time) of each, their ratios to the
 origin's, and origin requests: the number of blob GETs the origin saw per 100 client
-misses (without a region: 100).
+misses (without a region: 100): the fill's one GET and the range reads that clients
+ahead of the fill caused (docs/cache.md), with the origin bytes per blob byte.
 
 4. tail, the lazy start's first read (a node reads a layer's TOC at its end): one client
    asks for the last MiB of the blob, from the origin directly, then through a cold
@@ -408,6 +409,8 @@ def main() -> int:
         "cold_client_misses": cold["client_misses"], "cold_client_hits": cold["client_hits"],
         "cold_coalesced": cold["coalesced"],
         "origin_bytes_cold": final["origin_bytes"],
+        "origin_range_bytes_cold": final["origin_range_bytes"],
+        "cold_origin_bytes_per_blob_byte": round((final["origin_bytes"] + final["origin_range_bytes"]) / size, 3),
         "tail": tail,
     }
     if args.json:
@@ -425,7 +428,9 @@ def main() -> int:
           f"({cold['requests']} requests per run, {os.cpu_count()} CPUs)")
     print(table(["served by", "seconds", "MB/s", "vs origin", "origin blob GETs"], rows))
     print(f"origin requests per 100 client misses: {figures['origin_requests_per_100_misses']} with the region "
-          f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without")
+          f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without; "
+          f"origin bytes per blob byte (the fill's copy and range reads ahead of it): "
+          f"{figures['cold_origin_bytes_per_blob_byte']}")
     if tail is not None:
         print()
         report_tail(tail, size, False)
