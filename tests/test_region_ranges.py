@@ -16,7 +16,6 @@ import io
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -257,7 +256,7 @@ def test_a_range_read_that_loses_the_origin_fails_the_answer_without_retrying(wo
     wait_for(lambda: region.status(lab)["region"]["range_reads"] >= 1, "the range read to start", 30)
     time.sleep(0.5)
     lab.kill(registry.proc)
-    stdout, stderr = client.communicate(timeout=120)
+    stdout, _ = client.communicate(timeout=120)
     outcome = json.loads(stdout)
     assert outcome["status"] in ("cut", 502) and outcome["len"] < 8 * MiB, outcome
 

@@ -261,7 +261,6 @@ class Fill:
     readers: int = 0  # clients and range reads using fd
     ranges: list[RangeRead] = field(default_factory=list)  # running, or done and not passed yet
     ranges_refused: bool = False  # the origin ignored a Range header: readers wait for the fill
-    serving_ahead: int = 0  # range answers under way that took bytes from range reads
     frontier: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -307,8 +306,8 @@ class Fill:
         return out
 
     def reading_ahead(self) -> bool:
-        """Whether a client waits for or receives bytes ahead of the fill now."""
-        return self.serving_ahead > 0 or any(not r.done for r in self.ranges)
+        """Whether a range read is under way (clients wait for it)."""
+        return any(not r.done for r in self.ranges)
 
     def passed(self) -> None:
         """Forget the range reads that are done and that the fill has passed."""
@@ -803,9 +802,10 @@ class RegionCache:
     @staticmethod
     async def _yield_to_ranges(fill: Fill) -> None:
         """Clients wait for range reads, nobody for the rest of the fill: while a range
-        read runs or its bytes are being sent, the fill stops reading (its TCP window
-        closes, so the origin and this process serve the ranges first), for at most
-        FILL_YIELD seconds at a time."""
+        read runs, the fill stops reading (its TCP window closes, so the origin's uplink
+        and this process serve the ranges first), for at most FILL_YIELD seconds at a
+        time. (Sending range bytes to clients does not hold the fill: a slow client
+        must not stall it.)"""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(fill.wait_until(lambda: not fill.reading_ahead()), FILL_YIELD)
 
@@ -822,9 +822,6 @@ class RegionCache:
         try:
             return await self._serve_staged(request, fill, note, authorization)
         finally:
-            if note.get("ahead"):
-                fill.serving_ahead -= 1
-                fill.notify()
             fill.release_reader()
 
     async def _serve_staged(self, request: web.Request, fill: Fill, note: dict,
@@ -881,8 +878,8 @@ class RegionCache:
             read = self._read_ahead(fill, pos + have, end, authorization, note) if ahead else None
             if read is not None and have > 0:
                 return
-            await fill.wait_until(lambda: fill.error is not None or fill.readable(pos, end, ahead) > have
-                                  or (read is not None and read.done))
+            await fill.wait_until(lambda have=have, read=read: fill.error is not None or (
+                fill.readable(pos, end, ahead) > have or (read is not None and read.done)))
             if read is not None and read.error is not None and fill.readable(pos, end, ahead) <= have:
                 raise read.error
 
@@ -895,7 +892,6 @@ class RegionCache:
         read = fill.bringing(pos)
         if not note.get("ahead"):
             note["ahead"], note["how"] = True, "ahead" if read is None else "ahead-joined"
-            fill.serving_ahead += 1
             self.stats["range_joins"] += read is not None
         if read is not None:
             return read
@@ -1021,8 +1017,8 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
         ("shoal_region_origin_range_bytes_total", c, "Blob bytes read from the origin as ranges ahead of fills.",
          stats["origin_range_bytes"]),
         ("shoal_region_range_reads_total", c, "Origin range requests ahead of fills.", stats["range_reads"]),
-        ("shoal_region_range_joins_total", c, "Range answers whose bytes ahead of the fill another request "
-         "was already reading from the origin.", stats["range_joins"]),
+        ("shoal_region_range_joins_total", c, "Range answers that joined a range read another request started.",
+         stats["range_joins"]),
         ("shoal_region_fills_total", c, "Fills by outcome.",
          [({"result": "committed"}, stats["fills_committed"]), ({"result": "failed"}, stats["fills_failed"])]),
         ("shoal_region_errors_total", c, "Blob requests answered 5xx.", stats["errors"]),
