@@ -14,9 +14,26 @@ read in different orders), all released at the same moment:
 
 Figures: aggregate throughput (client bytes / wall time) of each, their ratios to the
 origin's, and origin requests: the number of blob GETs the origin saw per 100 client
-misses (without a region: 100).
+misses (without a region: 100): the fill's one GET and the range reads that clients
+ahead of the fill caused (docs/cache.md), with the origin bytes per blob byte.
+
+4. tail, the lazy start's first read (a node reads a layer's TOC at its end): one client
+   asks for the last MiB of the blob, from the origin directly, then through a cold
+   region (a fresh `shoal region`, empty store, no access remembered, that has served
+   one other blob the same way first, so that the figure is a cold blob's and not a
+   fresh process's), --samples times each. Figures: the median answer time of each
+   and their ratio (target: at most 1.5), where the region's fill was when the answer
+   came, and the origin bytes per blob byte once the fill is done (the fill's whole
+   copy plus the range reads). On loopback the origin is as close as the region and
+   both are CPU-bound; with --origin-mbit N (root) the same runs in a network lab
+   (p2p/netlab.py): the registry in a namespace behind a `tc tbf` link of N Mbit/s, the
+   region in the hub, the client in a namespace of its own, as a node reaches both.
+   --fill-window SIZE sets the region's fill_window ("1T": no range reads, the old
+   behaviour of making every range wait for the fill).
 
     .venv/bin/python bench/region.py [--quick] [--json] [--clients N] [--size-mb N] [--range-kb N]
+                                     [--scenario all|throughput|tail] [--samples N]
+                                     [--origin-mbit N] [--fill-window SIZE]
 """
 
 from __future__ import annotations
@@ -29,6 +46,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,8 +122,8 @@ def run_clients(host: str, port: int, digest: str, size: int, range_size: int, b
 # --- services ------------------------------------------------------------------------
 
 
-def make_blob(path: Path, size: int) -> str:
-    rnd = random.Random(1234)
+def make_blob(path: Path, size: int, seed: int = 1234) -> str:
+    rnd = random.Random(seed)
     h = hashlib.sha256()
     with open(path, "wb") as fh:
         left = size
@@ -117,13 +135,21 @@ def make_blob(path: Path, size: int) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def start_region(work: Path, origin_url: str) -> tuple[subprocess.Popen, int, Path]:
+def _region_config(work: Path, fill_window: str | None) -> list[str]:
+    if not fill_window:
+        return []
+    (work / "region.toml").write_text(f"fill_window = {json.dumps(fill_window)}\n")
+    return ["--config", str(work / "region.toml")]
+
+
+def start_region(work: Path, origin_url: str, store: str = "region-store",
+                 fill_window: str | None = None) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     log_path = work / "region.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [str(REPO / ".venv/bin/python"), "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
-             "--origin", origin_url, "--store", str(work / "region-store"),
+            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
+             "--origin", origin_url, "--store", str(work / store), *_region_config(work, fill_window),
              "--plain-http"],  # loopback; the figures compare serving, not TLS (docs/cache.md)
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
         )
@@ -134,8 +160,8 @@ def start_region(work: Path, origin_url: str) -> tuple[subprocess.Popen, int, Pa
     return proc, port, log_path
 
 
-def region_status(port: int) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def region_status(port: int, host: str = "127.0.0.1") -> dict:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
     conn.request("GET", "/-/status")
     data = json.loads(conn.getresponse().read())
     conn.close()
@@ -149,11 +175,165 @@ def wait_idle(port: int, timeout: float = 600) -> dict:
     return status
 
 
+def stop_region(region: subprocess.Popen) -> None:
+    region.send_signal(signal.SIGTERM)
+    try:
+        region.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_process(region)
+    region.stdout.close()
+
+
+def read_range(host: str, port: int, digest: str, start: int, end: int) -> tuple[float, bytes]:
+    """(seconds, body) of one GET of bytes [start, end) on a new connection, as a node's
+    first request makes it."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=300)
+    conn.request("GET", f"/v2/{REPOSITORY}/blobs/{digest}", headers={"Range": f"bytes={start}-{end - 1}"})
+    resp = conn.getresponse()
+    body = resp.read()
+    seconds = time.perf_counter() - t0
+    conn.close()
+    if resp.status != 206 or len(body) != end - start:
+        raise RuntimeError(f"HTTP {resp.status}, {len(body)} bytes for bytes {start}-{end - 1}")
+    return seconds, body
+
+
+def run_tail(work: Path, registry, digest: str, size: int, blob_path: Path, samples: int,
+             fill_window: str | None = None) -> dict:
+    """Scenario 4 (module doc): the last MiB, from the origin and through a cold region."""
+    start, end = max(0, size - (1 << 20)), size
+    warm_size = 16 << 20
+    warm_digest = make_blob(work / "warm-blob", warm_size, seed=99)
+    dest = RegistryDestination(DockerRef(registry.host, REPOSITORY, tag="x"), plain_http=True)
+    dest.put_blob(str(work / "warm-blob"), warm_digest, warm_size)
+    dest.close()
+    with open(blob_path, "rb") as fh:
+        want = os.pread(fh.fileno(), end - start, start)
+    host, port = registry.host.split(":")
+    origin_times, region_times, fill_at_answer = [], [], []
+    origin_ratio = None
+    for i in range(samples):
+        seconds, body = read_range(host, int(port), digest, start, end)
+        assert body == want, "the origin answered wrong bytes"
+        origin_times.append(seconds)
+        region, rport, _ = start_region(work, registry.url, f"tail-store-{i}", fill_window)
+        try:
+            read_range("127.0.0.1", rport, warm_digest, warm_size - (1 << 20), warm_size)
+            before = wait_idle(rport)
+            seconds, body = read_range("127.0.0.1", rport, digest, start, end)
+            status = region_status(rport)
+            if body != want:
+                raise RuntimeError("the region answered wrong bytes")
+            region_times.append(seconds)
+            fill = status.get("filling", {}).get(digest)
+            fill_at_answer.append(fill["written"] if fill else size)
+            if i == samples - 1:
+                status = wait_idle(rport)
+                origin_ratio = sum(status[k] - before[k] for k in ("origin_bytes", "origin_range_bytes")) / size
+        finally:
+            stop_region(region)
+            shutil.rmtree(work / f"tail-store-{i}", ignore_errors=True)
+    return _tail_figures(start, end, samples, origin_times, region_times, fill_at_answer, origin_ratio)
+
+
+_LAB_READ = ("import hashlib, json, sys\n"
+             "from bench.region import read_range, region_status\n"
+             "h, p, d, a, b, st = sys.argv[1:]\n"
+             "s, body = read_range(h, int(p), d, int(a), int(b))\n"
+             "status = region_status(int(p), h) if st == 'status' else None\n"
+             "print(json.dumps({'seconds': s, 'sha': hashlib.sha256(body).hexdigest(), 'status': status}))\n")
+
+
+def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: int, mbit: float,
+                 fill_window: str | None = None) -> dict:
+    """Scenario 4 in a network lab: the origin behind a link capped at `mbit`."""
+    from p2p import netlab
+
+    start, end = max(0, size - (1 << 20)), size
+    with open(blob_path, "rb") as fh:
+        want = hashlib.sha256(os.pread(fh.fileno(), end - start, start)).hexdigest()
+    warm_size = 16 << 20
+    warm_digest = make_blob(work / "warm-blob", warm_size, seed=99)
+    origin_times, region_times, fill_at_answer = [], [], []
+    origin_ratio = None
+    with netlab.Lab() as lab:
+        origin_host, client = lab.add_node(), lab.add_node()
+        registry = netlab.start_registry(lab, work / "lab-origin", host=origin_host)
+        netlab.push_blob(lab, registry, REPOSITORY, blob_path, digest)
+        netlab.push_blob(lab, registry, REPOSITORY, work / "warm-blob", warm_digest)
+        lab.cap(origin_host, mbit)
+
+        def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False) -> dict:
+            out = lab.run(client, [sys.executable, "-c", _LAB_READ, host, str(port), blob, str(a), str(b),
+                                   "status" if then_status else "-"],
+                          timeout=600, cwd=REPO, env=netlab._env())
+            if out.returncode != 0:
+                raise RuntimeError(f"lab read: {out.stderr[-1000:]}")
+            return json.loads(out.stdout)
+
+        def status(region) -> dict:
+            return json.loads(netlab.http_get(lab, lab.hub, region.url + "/-/status")[0])
+
+        def idle(region) -> dict:
+            deadline = time.monotonic() + 600
+            while (st := status(region))["fills_running"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return st
+
+        ohost, oport = registry.host.split(":")
+        for i in range(samples):
+            got = read(ohost, int(oport), digest, start, end)
+            if got["sha"] != want:
+                raise RuntimeError("the origin answered wrong bytes")
+            origin_times.append(got["seconds"])
+            config = f"fill_window = {json.dumps(fill_window)}\n" if fill_window else ""
+            region = netlab.start_region(lab, work / f"lab-region-{i}", registry, port=5080 + i, config=config)
+            rhost, rport = region.url.removeprefix("http://").split(":")
+            try:
+                read(rhost, int(rport), warm_digest, warm_size - (1 << 20), warm_size)
+                before = idle(region)
+                got = read(rhost, int(rport), digest, start, end, then_status=True)
+                st = got["status"]
+                if got["sha"] != want:
+                    raise RuntimeError("the region answered wrong bytes")
+                region_times.append(got["seconds"])
+                fill = st.get("filling", {}).get(digest)
+                fill_at_answer.append(fill["written"] if fill else size)
+                if i == samples - 1:
+                    st = idle(region)
+                    origin_ratio = sum(st[k] - before[k] for k in ("origin_bytes", "origin_range_bytes")) / size
+            finally:
+                lab.kill(region.proc, signal.SIGTERM)
+                shutil.rmtree(work / f"lab-region-{i}", ignore_errors=True)
+    figures = _tail_figures(start, end, samples, origin_times, region_times, fill_at_answer, origin_ratio)
+    figures["origin_mbit"] = mbit
+    return figures
+
+
+def _tail_figures(start: int, end: int, samples: int, origin_times: list[float], region_times: list[float],
+                  fill_at_answer: list[int], origin_ratio: float | None) -> dict:
+    origin_s, region_s = statistics.median(origin_times), statistics.median(region_times)
+    return {
+        "range_bytes": end - start, "samples": samples,
+        "origin_s": round(origin_s, 4), "region_cold_s": round(region_s, 4),
+        "ratio": round(region_s / origin_s, 2),
+        "origin_times_s": [round(t, 4) for t in origin_times], "region_times_s": [round(t, 4) for t in region_times],
+        "fill_bytes_at_answer": fill_at_answer,
+        "origin_bytes_per_blob_byte": round(origin_ratio, 4) if origin_ratio is not None else None,
+    }
+
+
 def main() -> int:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=16, help="concurrent client processes (default 16)")
     p.add_argument("--size-mb", type=int, help="blob size in MiB (default 1024, --quick 100)")
     p.add_argument("--range-kb", type=int, default=1024, help="bytes per Range request in KiB (default 1024)")
+    p.add_argument("--scenario", choices=("all", "throughput", "tail"), default="all",
+                   help="throughput (1-3), tail (4) or all (default)")
+    p.add_argument("--samples", type=int, default=3, help="cold regions measured in the tail scenario (default 3)")
+    p.add_argument("--origin-mbit", type=float, help="tail scenario in a network lab, the origin's link capped (root)")
+    p.add_argument("--fill-window", help='the region\'s fill_window (e.g. "1T": every range waits for the fill)')
     args = p.parse_args()
     size = (args.size_mb or (100 if args.quick else 1024)) << 20
     range_size = args.range_kb << 10
@@ -171,6 +351,17 @@ def main() -> int:
         dest.put_blob(str(blob_path), digest, size)
         dest.close()
         host, port = registry.host.split(":")
+        tail = None
+        if args.scenario in ("all", "tail"):
+            say(f"tail: the last MiB of the {size >> 20} MiB blob, from the origin and through a cold region "
+                f"({args.samples} samples)")
+            if args.origin_mbit:
+                tail = run_tail_lab(work, digest, size, blob_path, max(1, args.samples), args.origin_mbit,
+                                    args.fill_window)
+            else:
+                tail = run_tail(work, registry, digest, size, blob_path, max(1, args.samples), args.fill_window)
+        if args.scenario == "tail":
+            return report_tail(tail, size, args.json)
 
         say(f"origin: {clients} clients x {size >> 20} MiB in {range_size >> 10} KiB ranges")
         before = registry.count("GET", f"/blobs/{digest}")[0]
@@ -197,12 +388,7 @@ def main() -> int:
         final = region_status(rport)
     finally:
         if region is not None:
-            region.send_signal(signal.SIGTERM)
-            try:
-                region.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                stop_process(region)
-            region.stdout.close()
+            stop_region(region)
         if registry is not None:
             registry.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -224,6 +410,9 @@ def main() -> int:
         "cold_client_misses": cold["client_misses"], "cold_client_hits": cold["client_hits"],
         "cold_coalesced": cold["coalesced"],
         "origin_bytes_cold": final["origin_bytes"],
+        "origin_range_bytes_cold": final["origin_range_bytes"],
+        "cold_origin_bytes_per_blob_byte": round((final["origin_bytes"] + final["origin_range_bytes"]) / size, 3),
+        "tail": tail,
     }
     if args.json:
         emit_json(figures)
@@ -240,7 +429,26 @@ def main() -> int:
           f"({cold['requests']} requests per run, {os.cpu_count()} CPUs)")
     print(table(["served by", "seconds", "MB/s", "vs origin", "origin blob GETs"], rows))
     print(f"origin requests per 100 client misses: {figures['origin_requests_per_100_misses']} with the region "
-          f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without")
+          f"({cold['client_misses']} misses, {cold['coalesced']} joined a running fill), 100 without; "
+          f"origin bytes per blob byte (the fill's copy and range reads ahead of it): "
+          f"{figures['cold_origin_bytes_per_blob_byte']}")
+    if tail is not None:
+        print()
+        report_tail(tail, size, False)
+    return 0
+
+
+def report_tail(tail: dict, size: int, as_json: bool) -> int:
+    if as_json:
+        emit_json({"blob_bytes": size, "cpus": os.cpu_count(), "tail": tail})
+        return 0
+    link = f"the origin behind a {tail['origin_mbit']:g} Mbit/s link" if tail.get("origin_mbit") else "loopback"
+    print(f"the last MiB of a cold {size >> 20} MiB blob ({link}; median of {tail['samples']}, new connection each)")
+    print(table(["served by", "seconds"], [["origin registry, direct", f"{tail['origin_s']:.4f}"],
+                                          ["region cache, cold", f"{tail['region_cold_s']:.4f}"]]))
+    at = ", ".join(f"{n >> 20} MiB" for n in tail["fill_bytes_at_answer"])
+    print(f"region / origin: {tail['ratio']:.2f}x (target at most 1.5x); the region's fill had "
+          f"written {at} when each answer came; origin bytes per blob byte: {tail['origin_bytes_per_blob_byte']}")
     return 0
 
 

@@ -279,8 +279,11 @@ class LabRegistry:
         return n, total
 
 
-def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None) -> LabRegistry:
-    """docker-registry in the hub; `auth`: its `auth` configuration (e.g. token), if any."""
+def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None,
+                   host: Host | None = None) -> LabRegistry:
+    """docker-registry in the hub, or in `host` (a node namespace: behind its capped link);
+    `auth`: its `auth` configuration (e.g. token), if any."""
+    host = host or lab.hub
     storage = workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
     config = workdir / "registry.yml"
@@ -288,14 +291,14 @@ def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None 
         "version": 0.1,
         "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(storage)}},
-        "http": {"addr": f"{HUB_IP}:{port}", "secret": os.urandom(16).hex()},
+        "http": {"addr": f"{host.ip}:{port}", "secret": os.urandom(16).hex()},
         **({"auth": auth} if auth else {}),
     }))
     log_path = workdir / "registry.log"
     with open(log_path, "wb") as log:
-        proc = lab.popen(lab.hub, [REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    reg = LabRegistry(f"{HUB_IP}:{port}", log_path, proc)
-    wait_http(lab, lab.hub, f"http://{reg.host}/v2/", proc)
+        proc = lab.popen(host, [REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    reg = LabRegistry(f"{host.ip}:{port}", log_path, proc)
+    wait_http(lab, host, f"http://{reg.host}/v2/", proc)
     return reg
 
 

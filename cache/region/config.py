@@ -15,6 +15,9 @@ Every option, with its default (an empty file, or none, gives these):
     tls_key = ""                   # its private key
     tls_dir = ""                   # the region's own CA and certificate; "" = <store>/tls
     tls_names = []                 # more names/addresses its own certificate covers (beside the listen host)
+    fill_window = "4M"             # a range that starts at most this far past a running fill waits
+                                   # for it; one farther ahead is read from the origin as a range
+                                   # at once (docs/cache.md); "1T": every range waits for the fill
 
     [disk]
     capacity = ""                  # bytes ("500G"); empty: the recorded one, else 20% of free disk
@@ -100,6 +103,7 @@ class RegionConfig:
     tls_key: str = ""
     tls_dir: str = ""
     tls_names: list[str] = field(default_factory=list)
+    fill_window: int = field(default=4 << 20, metadata=limits(min=0, size=True))
     disk: DiskConfig = field(default_factory=DiskConfig)
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)

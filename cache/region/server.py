@@ -41,6 +41,16 @@ Blob requests, in order:
    gets that byte only after the check, and a small response (under one block) starts
    only then, so a bad blob is a clean 502 for it; a client already streaming when the
    check fails has its connection cut (a short body, never a complete bad one).
+4. Ranges ahead of the fill: a range answer whose next byte lies more than
+   `fill_window` past the fill's position does not wait for the fill. Its bytes come
+   from origin range requests (with its client's credentials) that write into the
+   staging file above the fill's frontier, one request per part of the blob that no
+   running read brings yet, so N clients asking for one range (a TOC) cost the origin
+   one range read, and overlapping ranges share what they have in common. These bytes
+   are not verified (a range cannot be; nodes check every chunk) and never become the
+   stored copy: the fill writes every byte itself, and the stored copy is what it
+   hashed. A whole-blob answer takes nothing from range reads. Range bytes are counted
+   apart (`origin_range_bytes`); the fill still reads the whole blob once.
 
 Blocking work (files, boto3, hashing) runs in a thread pool, never on the event loop.
 """
@@ -55,6 +65,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,6 +90,8 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _MAX_REMEMBERED = 100_000
 RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
+_AHEAD_PIECE = 256 << 10  # bytes a range read hands on at a time (clients get them as they come)
+FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
@@ -211,8 +224,32 @@ class AccessCache:
 
 
 @dataclass
+class RangeRead:
+    """One origin range request ahead of a fill (module doc, 4): bytes [start, end) of
+    the blob, written into the fill's staging file above the fill's frontier. `got`
+    bytes from `start` are in the file; once `done`, `end` is `start + got` (a read plans
+    no more than it brought), and `error` says why it stopped short, if it failed."""
+
+    start: int
+    end: int
+    got: int = 0
+    done: bool = False
+    error: HTTPFailure | None = None
+
+    def covers(self) -> int:
+        """The end of what this read has brought or will bring."""
+        return self.start + self.got if self.error is not None else self.end
+
+
+@dataclass
 class Fill:
-    """One blob being fetched from the origin into a staging file (see module doc, 3)."""
+    """One blob being fetched from the origin into a staging file (see module doc, 3),
+    and the range reads ahead of it (4).
+
+    The staging file's invariant, which keeps the committed copy the bytes the fill
+    hashed: below `frontier` the file holds the fill's own bytes, and a range read
+    writes only at or above it. Both sides write, and the fill moves `frontier`, under
+    `lock` (in worker threads). `written` (on the event loop) trails `frontier`."""
 
     digest: str
     repo: str
@@ -223,7 +260,12 @@ class Fill:
     verified: bool = False
     done: bool = False
     error: HTTPFailure | None = None
-    readers: int = 0
+    readers: int = 0  # clients and range reads using fd
+    ranges: list[RangeRead] = field(default_factory=list)  # running, or done and not passed yet
+    ranges_refused: bool = False  # the origin ignored a Range header: readers wait for the fill
+    frontier: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def available(self) -> int:
@@ -231,6 +273,47 @@ class Fill:
         if self.verified:
             return self.size or 0
         return min(self.written, (self.size or 0) - 1)
+
+    def readable(self, pos: int, end: int, ahead: bool) -> int:
+        """How many bytes from `pos` (up to `end`) can be read from the staging file now:
+        the fill's own (available()), and with `ahead` what range reads brought."""
+        at = pos
+        while at < end:
+            if at < self.available():
+                at = self.available()
+                continue
+            if not ahead:
+                break
+            got = max((r.start + r.got for r in self.ranges if r.start <= at < r.start + r.got), default=None)
+            if got is None:
+                break
+            at = got
+        return min(at, end) - pos
+
+    def bringing(self, pos: int) -> RangeRead | None:
+        """The range read that brings (or brought) byte `pos`, if any."""
+        return next((r for r in self.ranges if r.start <= pos < r.covers()), None)
+
+    def gaps(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of [start, end) that no range read brings."""
+        out, at = [], start
+        for a, b in sorted((r.start, r.covers()) for r in self.ranges):
+            if b <= at or a >= end:
+                continue
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < end:
+            out.append((at, end))
+        return out
+
+    def reading_ahead(self) -> bool:
+        """Whether a range read is under way (clients wait for it)."""
+        return any(not r.done for r in self.ranges)
+
+    def passed(self) -> None:
+        """Forget the range reads that are done and that the fill has passed."""
+        self.ranges = [r for r in self.ranges if not (r.done and r.start + r.got <= self.written)]
 
     def notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
@@ -282,6 +365,7 @@ class RegionCache:
             "origin_bytes", "bytes_served", "auth_checks", "auth_cache_hits", "auth_coalesced",
             "denied", "not_found", "errors", "aborted", "proxied",
             "store_checks", "store_verify_failures", "store_check_reports",
+            "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.swarm = None  # the swarm service (p2p/tracker/server.py SwarmService) when mounted
@@ -364,6 +448,8 @@ class RegionCache:
         out["origin_requests"] = self.upstream.requests
         out["fills_running"] = len(self._fills)
         out["fill_readers"] = sum(f.readers for f in self._fills.values())
+        out["filling"] = {d: {"size": f.size, "written": f.written, "range_reads": sum(not r.done for r in f.ranges)}
+                          for d, f in self._fills.items()}
         return out
 
     async def _status(self, request: web.Request) -> web.Response:
@@ -463,13 +549,13 @@ class RegionCache:
         # a miss: join or start the fill
         fill = self._fills.get(digest)
         if fill is None:
-            fill = self._start_fill(name, digest, authorization)
+            fill = self._start_fill(name, digest, authorization, size)
             note["how"] = "miss"
         else:
             self.stats["coalesced"] += 1
             note["how"] = "coalesced"
         self.stats["misses"] += 1
-        return await self._serve_fill(request, fill, note)
+        return await self._serve_fill(request, fill, note, authorization)
 
     async def _origin_size(self, name: str, digest: str, authorization: str | None) -> int:
         try:
@@ -643,8 +729,10 @@ class RegionCache:
             self._check_stored(digest, force=True)
         return web.Response(status=202, text="checking\n")
 
-    def _start_fill(self, name: str, digest: str, authorization: str | None) -> Fill:
-        fill = Fill(digest=digest, repo=name, path=self.backend.temp_path())
+    def _start_fill(self, name: str, digest: str, authorization: str | None, size: int | None) -> Fill:
+        """The fill of `digest`; `size` (the origin's answer to the access check, if any)
+        lets range reads start before the fill's own answer."""
+        fill = Fill(digest=digest, repo=name, path=self.backend.temp_path(), size=size)
         self._fills[digest] = fill
         self.stats["fills"] += 1
         task = asyncio.ensure_future(self._run_fill(fill, authorization))
@@ -658,6 +746,9 @@ class RegionCache:
         committed = False
         try:
             fill.fd = await self._run(_open_staging, fill.path)
+            fill.notify()
+            if fill.reading_ahead():
+                await self._yield_to_ranges(fill)
             try:
                 resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name)
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -671,12 +762,17 @@ class RegionCache:
                                       f"origin answered HTTP {resp.status} for {name}@{digest}: {text}")
                 if resp.content_length is None:
                     raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sent {name}@{digest} without a Content-Length")
+                if fill.size is not None and resp.content_length != fill.size:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sends {resp.content_length} bytes of "
+                                      f"{name}@{digest}; its HEAD said {fill.size}")
                 fill.size = resp.content_length
                 fill.notify()
                 hasher = hashlib.sha256()
                 buf = bytearray()
                 try:
                     async for piece in resp.content.iter_chunked(self._block):
+                        if fill.reading_ahead():
+                            await self._yield_to_ranges(fill)
                         buf += piece
                         if len(buf) >= self._block:
                             await self._append(fill, hasher, bytes(buf))
@@ -724,54 +820,180 @@ class RegionCache:
             self._fills.pop(digest, None)
             fill.done = True
             fill.notify()
+            for task in list(fill._tasks):  # verified: every byte is the fill's; failed: no use
+                task.cancel()
             fill._close_if_unused()
             if not committed:
                 await asyncio.shield(self._run(_unlink, fill.path))  # readers keep the open descriptor
 
+    @staticmethod
+    async def _yield_to_ranges(fill: Fill) -> None:
+        """Clients wait for range reads, nobody for the rest of the fill: while a range
+        read runs, the fill stops reading (its TCP window closes, so the origin's uplink
+        and this process serve the ranges first), for at most FILL_YIELD seconds at a
+        time. (Sending range bytes to clients does not hold the fill: a slow client
+        must not stall it.)"""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(fill.wait_until(lambda: not fill.reading_ahead()), FILL_YIELD)
+
     async def _append(self, fill: Fill, hasher, data: bytes) -> None:
-        await self._run(_write_at, fill.fd, data, fill.written, hasher)
+        await self._run(_write_fill, fill, data, fill.written, hasher)
         fill.written += len(data)
         self.stats["origin_bytes"] += len(data)
+        fill.passed()
         fill.notify()
 
-    async def _serve_fill(self, request: web.Request, fill: Fill, note: dict) -> web.StreamResponse:
+    async def _serve_fill(self, request: web.Request, fill: Fill, note: dict,
+                          authorization: str | None) -> web.StreamResponse:
         fill.readers += 1
         try:
-            await fill.wait_until(lambda: fill.size is not None or fill.error is not None)
-            if fill.error is not None:
-                raise fill.error
-            size = fill.size
-            span = parse_range(request.headers.get("Range"), size)
-            start, end = span or (0, size)
-            first = min(end, start + self._block)
-            # the response starts with a first block in hand, or (small ranges, ranges
-            # that end the blob) only after the blob is verified
-            await fill.wait_until(lambda: fill.error is not None or fill.verified or fill.available() >= first)
-            if fill.error is not None:
-                raise fill.error
-            resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(fill.digest, size, span))
-            resp.content_length = end - start
-            await resp.prepare(request)
-            pos = start
-            while pos < end:
-                await fill.wait_until(lambda pos=pos: fill.error is not None or fill.available() > pos)
-                if fill.error is not None:
+            return await self._serve_staged(request, fill, note, authorization)
+        finally:
+            fill.release_reader()
+
+    async def _serve_staged(self, request: web.Request, fill: Fill, note: dict,
+                            authorization: str | None) -> web.StreamResponse:
+        await fill.wait_until(lambda: fill.size is not None or fill.error is not None)
+        if fill.error is not None:
+            raise fill.error
+        size = fill.size
+        span = parse_range(request.headers.get("Range"), size)
+        start, end = span or (0, size)
+        ahead = span is not None  # a whole blob is the fill's alone: checked before its last byte
+        # the response starts with a first block in hand, or (small ranges, ranges
+        # that end the blob, served by the fill) only after the blob is verified
+        first = min(end, start + self._block)
+        await self._wait_readable(fill, start, end, first - start, ahead, authorization, note)
+        resp = web.StreamResponse(status=206 if span else 200, headers=_blob_headers(fill.digest, size, span))
+        resp.content_length = end - start
+        await resp.prepare(request)
+        pos = start
+        while pos < end:
+            n = min(self._block, fill.readable(pos, end, ahead))
+            if n == 0:
+                try:
+                    await self._wait_readable(fill, pos, end, 1, ahead, authorization, note)
+                except HTTPFailure as failure:
                     log.warning("%s: cutting the response to %s after %d bytes: %s",
-                                fill.digest, request.remote, pos - start, fill.error.message)
+                                fill.digest, request.remote, pos - start, failure.message)
                     self.stats["aborted"] += 1
                     _abort(request)
                     return resp
-                n = min(self._block, fill.available() - pos, end - pos)
-                data = await self._run(os.pread, fill.fd, n, pos)
-                if len(data) != n:
-                    raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
-                await resp.write(data)
-                pos += n
-                note["bytes"] += n
-                self.stats["bytes_served"] += n
-            await resp.write_eof()
-            return resp
+                continue
+            data = await self._run(os.pread, fill.fd, n, pos)
+            if len(data) != n:
+                raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
+            await resp.write(data)
+            pos += n
+            note["bytes"] += n
+            self.stats["bytes_served"] += n
+        await resp.write_eof()
+        return resp
+
+    async def _wait_readable(self, fill: Fill, pos: int, end: int, want: int, ahead: bool,
+                             authorization: str | None, note: dict) -> None:
+        """Until `want` bytes from `pos` are readable in the staging file, or any when the
+        rest comes from a range read (its bytes go out as they arrive: the node checks
+        them, and a failure later cuts the answer). A range answer (`ahead`) whose next
+        byte is more than fill_window past the fill gets it from a range read (started
+        here unless one brings it already); anything else waits for the fill. Raises
+        the fill's failure, or that of the range read it waited for (no retry: the
+        client, a node, asks its next source)."""
+        while (have := fill.readable(pos, end, ahead)) < want:
+            if fill.error is not None:
+                raise fill.error
+            read = self._read_ahead(fill, pos + have, end, authorization, note) if ahead else None
+            if read is not None and have > 0:
+                return
+            await fill.wait_until(lambda have=have, read=read: fill.error is not None or (
+                fill.readable(pos, end, ahead) > have or (read is not None and read.done)))
+            if read is not None and read.error is not None and fill.readable(pos, end, ahead) <= have:
+                raise read.error
+
+    def _read_ahead(self, fill: Fill, pos: int, end: int, authorization: str | None, note: dict) -> RangeRead | None:
+        """The range read that brings byte `pos`, or None when `pos` is to wait for the
+        fill. A missing read is started, with reads of every other part of [pos, end)
+        that none brings yet: one origin request per byte however many clients ask."""
+        if fill.ranges_refused or fill.size is None or pos <= fill.written + self.config.fill_window:
+            return None
+        read = fill.bringing(pos)
+        if not note.get("ahead"):
+            note["ahead"], note["how"] = True, "ahead" if read is None else "ahead-joined"
+            self.stats["range_joins"] += read is not None
+        if read is not None:
+            return read
+        for a, b in fill.gaps(pos, end):
+            r = RangeRead(a, b)
+            fill.ranges.append(r)
+            task = asyncio.ensure_future(self._run_range(fill, r, authorization))
+            fill._tasks.add(task)
+            self._fill_tasks.add(task)  # cancelled at cleanup, as fills are
+            task.add_done_callback(fill._tasks.discard)
+            task.add_done_callback(self._fill_tasks.discard)
+        return fill.bringing(pos)
+
+    async def _run_range(self, fill: Fill, read: RangeRead, authorization: str | None) -> None:
+        """Fetch [read.start, read.end) of the blob from the origin as a range into the
+        fill's staging file (above its frontier). Not verified: a range cannot be; the
+        node checks every chunk it reads (docs/cache.md)."""
+        digest, name = fill.digest, fill.repo
+        what = f"{name}@{digest} bytes {read.start}-{read.end - 1}"
+        fill.readers += 1
+        self.stats["range_reads"] += 1
+        try:
+            try:
+                resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name,
+                                                   {"Range": f"bytes={read.start}-{read.end - 1}"})
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {what}: {_describe(exc)}") from None
+            async with resp:
+                if resp.status == 200:
+                    fill.ranges_refused = True
+                    log.warning("%s: the origin ignores Range requests; ranges of this blob wait for its fill", digest)
+                    return
+                if resp.status != 206:
+                    raise HTTPFailure(502, "ORIGIN_ERROR",
+                                      f"origin answered HTTP {resp.status} for {what}: {await error_text(resp)}")
+                want = f"bytes {read.start}-{read.end - 1}/{fill.size}"
+                if resp.headers.get("Content-Range", "").strip() != want:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered Content-Range "
+                                      f"{resp.headers.get('Content-Range')!r} for {what}")
+                pos, buf = read.start, bytearray()
+                flush = min(self._block, _AHEAD_PIECE)
+                try:
+                    async for piece in resp.content.iter_chunked(self._block):
+                        buf += piece
+                        self.stats["origin_range_bytes"] += len(piece)
+                        if len(buf) < flush and pos + len(buf) < read.end:
+                            continue
+                        await fill.wait_until(lambda: fill.fd >= 0 or fill.done)
+                        if fill.done or fill.written >= read.end:
+                            return  # the fill has passed it
+                        await self._run(_write_ahead, fill, bytes(buf), pos)
+                        pos += len(buf)
+                        buf.clear()
+                        read.got = pos - read.start
+                        fill.notify()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin connection lost after {read.got} bytes of "
+                                      f"{what}: {_describe(exc)}") from None
+                if pos != read.end:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sent {pos - read.start} bytes for {what}")
+        except HTTPFailure as failure:
+            read.error = failure
+            self.stats["range_reads_failed"] += 1
+            log.warning("range read of %s failed: %s", what, failure.message)
+        except asyncio.CancelledError:
+            read.error = HTTPFailure(503, "UNAVAILABLE", f"range read of {what} stopped")
+            raise
+        except Exception as exc:  # a bug or a local I/O failure: fail this read only
+            read.error = HTTPFailure(500, "INTERNAL", f"range read of {what} failed: {exc}")
+            self.stats["range_reads_failed"] += 1
+            log.exception("range read of %s failed", what)
         finally:
+            read.end = read.start + read.got if read.error is None else read.end
+            read.done = True
+            fill.notify()
             fill.release_reader()
 
     # --- everything else under /v2/ -----------------------------------------------------
@@ -817,7 +1039,13 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
         ("shoal_region_cache_misses_total", c, "Blob requests that started a fill from the origin.", stats["misses"]),
         ("shoal_region_coalesced_total", c, "Blob requests that joined a fill under way.", stats["coalesced"]),
         ("shoal_region_served_bytes_total", c, "Blob bytes sent to clients.", stats["bytes_served"]),
-        ("shoal_region_origin_bytes_total", c, "Blob bytes read from the origin.", stats["origin_bytes"]),
+        ("shoal_region_origin_bytes_total", c, "Blob bytes read from the origin by fills (whole blobs).",
+         stats["origin_bytes"]),
+        ("shoal_region_origin_range_bytes_total", c, "Blob bytes read from the origin as ranges ahead of fills.",
+         stats["origin_range_bytes"]),
+        ("shoal_region_range_reads_total", c, "Origin range requests ahead of fills.", stats["range_reads"]),
+        ("shoal_region_range_joins_total", c, "Range answers that joined a range read another request started.",
+         stats["range_joins"]),
         ("shoal_region_fills_total", c, "Fills by outcome.",
          [({"result": "committed"}, stats["fills_committed"]), ({"result": "failed"}, stats["fills_failed"])]),
         ("shoal_region_errors_total", c, "Blob requests answered 5xx.", stats["errors"]),
@@ -878,12 +1106,28 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _write_at(fd: int, data: bytes, offset: int, hasher) -> None:
+def _write_at(fd: int, data, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _write_fill(fill: Fill, data: bytes, offset: int, hasher) -> None:
+    """In a worker thread: the fill's own bytes at `offset`, moving its frontier."""
     hasher.update(data)
+    with fill.lock:
+        _write_at(fill.fd, data, offset)
+        fill.frontier = offset + len(data)
+
+
+def _write_ahead(fill: Fill, data: bytes, offset: int) -> None:
+    """In a worker thread: a range read's bytes at `offset`, only those at or above the
+    fill's frontier (below it the file holds the fill's own, hashed bytes)."""
+    with fill.lock:
+        skip = max(0, fill.frontier - offset)
+        if skip < len(data):
+            _write_at(fill.fd, memoryview(data)[skip:], offset + skip)
 
 
 def _hash_and_next(stream, hasher, data: bytes) -> bytes | None:

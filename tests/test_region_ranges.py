@@ -1,0 +1,270 @@
+"""The region serves any range of any blob at once (issue 12): real processes in a
+network lab (p2p/netlab.py). The origin (Debian's docker-registry) runs in a namespace of
+its own behind a `tc tbf` capped link, so a fill of a cold blob takes seconds; `shoal
+region` runs in the hub; the clients run in node namespaces, and the nodes' reads are
+made as a node makes them (tests/region_reader.py: RegionSource, the node's chunk
+loader, every chunk verified).
+
+What the origin served is read from its own access log: a fill is a GET answered 200
+(the whole blob), a range read a GET answered 206 with the bytes it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
+
+from builder.zstdchunked import LayerWriter, location_from_annotations
+from p2p import netlab
+from tests.imagetools import make_tar
+from tests.services import wait_for
+
+MiB = 1 << 20
+ORIGIN_MBIT = 40  # the origin's uplink: 5 MB/s, so a fill of a few MiB takes a second or more
+
+
+def _skip_reason() -> str | None:
+    reason = netlab.available()
+    if reason:
+        return reason
+    if not os.access(netlab.REGISTRY_BIN, os.X_OK):
+        return f"{netlab.REGISTRY_BIN} is not installed (Debian package docker-registry)"
+    return None
+
+
+pytestmark = [pytest.mark.registry, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+
+@dataclass
+class World:
+    lab: netlab.Lab
+    origin_host: netlab.Host
+    readers: list[netlab.Host]
+    registry: netlab.LabRegistry
+    region: netlab.LabRegion  # the default configuration
+    eager: netlab.LabRegion  # fill_window = 0: every range past the fill is read at once
+    workdir: Path
+
+    def push(self, repository: str, data: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        path = self.workdir / f"blob-{digest[7:19]}"
+        path.write_bytes(data)
+        netlab.push_blob(self.lab, self.registry, repository, path, digest)
+        path.unlink()
+        return digest
+
+    def origin_reads(self, digest: str) -> list[tuple[int, int]]:
+        """(status, bytes written) of each GET of the blob the origin logged."""
+        return [(int(e["http.response.status"]), int(e.get("http.response.written", 0)))
+                for e in netlab.registry_log(self.registry.log_path)
+                if e.get("http.request.method") == "GET" and f"/blobs/{digest}" in e.get("http.request.uri", "")]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("region-ranges")
+    lab = netlab.Lab()
+    try:
+        origin_host = lab.add_node()  # capped by each test after its pushes
+        readers = [lab.add_node() for _ in range(4)]
+        registry = netlab.start_registry(lab, workdir / "origin", host=origin_host)
+        region = netlab.start_region(lab, workdir / "region", registry)
+        eager = netlab.start_region(lab, workdir / "eager", registry, port=5081, config='fill_window = "0"\n')
+        yield World(lab, origin_host, readers, registry, region, eager, workdir)
+    finally:
+        lab.close()
+
+
+@pytest.fixture
+def capped_origin(world):
+    """The origin's link capped at ORIGIN_MBIT for the test (pushes happen before)."""
+    def cap() -> None:
+        world.lab.cap(world.origin_host, ORIGIN_MBIT)
+
+    yield cap
+    world.lab.uncap(world.origin_host)
+
+
+def _wait_committed(world: World, region: netlab.LabRegion, digest: str) -> dict:
+    def done():
+        status = region.status(world.lab)["region"]
+        return status if digest not in status["filling"] and status["fills_running"] == 0 else None
+
+    return wait_for(done, f"the fill of {digest}", 120, interval=0.2)
+
+
+_GET_THEN_STATUS = """
+import hashlib, json, sys, urllib.request
+url, first, last, status_url = sys.argv[1:]
+req = urllib.request.Request(url, headers={"Range": f"bytes={first}-{last}"})
+with urllib.request.urlopen(req, timeout=60) as resp:
+    body, code = resp.read(), resp.status
+status = json.loads(urllib.request.urlopen(status_url, timeout=10).read())
+print(json.dumps({"code": code, "sha": hashlib.sha256(body).hexdigest(), "len": len(body), "status": status}))
+"""
+
+
+def test_a_range_past_the_fill_is_answered_while_the_fill_runs(world, capped_origin):
+    """The last MiB of a cold blob (where a layer's TOC is) is read from the origin as a
+    range and answered while the region's fill is still far from it; the fill goes on
+    and commits one verified copy."""
+    data = random.Random(1).randbytes(16 * MiB)
+    digest = world.push("ranges/tail", data)
+    start = len(data) - MiB
+    capped_origin()
+    url = f"{world.region.url}/v2/ranges/tail/blobs/{digest}"
+    out = world.lab.run(world.readers[0], [sys.executable, "-c", _GET_THEN_STATUS, url, str(start),
+                                           str(len(data) - 1), world.region.url + "/-/status"], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    answer = json.loads(out.stdout)
+    assert answer["code"] == 206 and answer["sha"] == hashlib.sha256(data[start:]).hexdigest()
+    # the region's own figures, right after the answer: the fill had not reached the range
+    filling = answer["status"]["filling"].get(digest)
+    assert filling is not None, answer["status"]
+    assert filling["size"] == len(data) and filling["written"] < start
+
+    status = _wait_committed(world, world.region, digest)
+    assert status["store_verify_failures"] == 0
+    reads = world.origin_reads(digest)
+    assert sorted(reads) == [(200, len(data)), (206, MiB)]  # one whole copy, one range
+    assert status["origin_range_bytes"] == MiB
+
+    # the stored copy is the fill's: whole and good
+    out = world.lab.run(world.readers[1], [sys.executable, "-c", _GET_THEN_STATUS, url, "0", str(len(data) - 1),
+                                           world.region.url + "/-/status"], timeout=120)
+    assert json.loads(out.stdout)["sha"] == hashlib.sha256(data).hexdigest()
+    assert len(world.origin_reads(digest)) == 2
+
+
+def _chunked_layer(seed: int) -> tuple[bytes, dict, dict[str, str]]:
+    """A zstd:chunked layer of incompressible files (small ones and a few of several
+    chunks): (blob, annotations, {file name: sha256 of its content})."""
+    rnd = random.Random(seed)
+    files: dict[str, bytes | None] = {"app": None}
+    for i in range(24):
+        files[f"app/mod{i:02d}.bin"] = rnd.randbytes(rnd.randrange(32 << 10, 600 << 10))
+    for i in range(2):
+        files[f"app/big{i}.bin"] = rnd.randbytes(3 * MiB)
+    out = io.BytesIO()
+    result = LayerWriter().write(io.BytesIO(make_tar(files)), out)
+    want = {name: "sha256:" + hashlib.sha256(content).hexdigest() for name, content in files.items() if content}
+    return out.getvalue(), result.annotations, want
+
+
+def _union(spans) -> int:
+    total, at = 0, 0
+    for a, b in sorted(spans):
+        a = max(a, at)
+        if b > a:
+            total, at = total + b - a, b
+    return total
+
+
+def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(world, capped_origin):
+    """Four nodes start reading one cold lazy layer at the same moment behind a cold
+    region: each reads the TOC, then every file in an order of its own. The origin serves
+    the TOC range once and every chunk range at most once (plus the fill's one whole
+    copy), and no read waits for the fill: each node has the TOC, and files, while the
+    region's fill has not reached them yet."""
+    blob, annotations, want = _chunked_layer(2)
+    digest = world.push("ranges/lazy", blob)
+    loc = location_from_annotations(annotations)
+    capped_origin()
+    at = time.time() + 1.5  # the readers start at one moment
+    procs = []
+    for i, host in enumerate(world.readers):
+        procs.append(world.lab.popen(host, [
+            sys.executable, "-m", "tests.region_reader", world.eager.url, world.registry.host, "ranges/lazy",
+            digest, str(len(blob)), json.dumps(annotations), "--seed", str(i), "--at", str(at)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=netlab.REPO_ROOT, env=netlab._env()))
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+        outs.append(json.loads(stdout))
+    for out in outs:
+        assert out["files"] == want and out["toc"] == [loc.toc.offset, loc.toc.end]
+    # no read waited for the fill: every node had its TOC, at the blob's end, while the
+    # fill was still before it, and read files that the fill had not reached yet
+    for out in outs:
+        toc_start, _, _, after = out["loads"][0]
+        assert after < toc_start, out["loads"][0]
+        ahead = [load for load in out["loads"][1:] if load[3] < load[0]]
+        assert ahead, out["loads"]
+
+    status = _wait_committed(world, world.eager, digest)
+    origin = world.origin_reads(digest)
+    assert [w for code, w in origin if code == 200] == [len(blob)]  # the fill: one whole copy
+    ranges = [w for code, w in origin if code == 206]
+    assert all(code in (200, 206) for code, _ in origin)
+    # every byte the nodes asked for came from the origin at most once
+    asked = _union([tuple(r) for out in outs for r in out["asked"]])
+    assert sum(ranges) <= asked
+    assert ranges.count(loc.toc.end - loc.toc.offset) == 1  # four nodes, one TOC range read
+    # (the region counts what it received: a read the fill overtook is cut, the origin may
+    # have sent more into the connection than the region read from it)
+    assert status["range_joins"] >= 3 and 0 < status["origin_range_bytes"] <= sum(ranges)
+    # ... while serving each node every byte it read
+    assert status["bytes_served"] >= 4 * asked
+
+
+_GET_OUTCOME = """
+import json, sys, urllib.request, http.client
+url, first, last = sys.argv[1:]
+req = urllib.request.Request(url, headers={"Range": f"bytes={first}-{last}"})
+try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        body = resp.read()
+    print(json.dumps({"status": resp.status, "len": len(body)}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "len": 0, "body": e.read().decode(errors="replace")[:300]}))
+except (http.client.IncompleteRead, ConnectionError) as e:
+    print(json.dumps({"status": "cut", "len": len(getattr(e, "partial", b""))}))
+"""
+
+
+def test_a_range_read_that_loses_the_origin_fails_the_answer_without_retrying(world, tmp_path):
+    """The origin goes away while a range read ahead of the fill is under way: the
+    client's answer is cut (a short body; a node asks its next source), the region does
+    not retry the read on its own, and answers the next request
+    for the blob with one clear error instead of hanging."""
+    lab = world.lab
+    host = lab.add_node()
+    registry = netlab.start_registry(lab, tmp_path / "origin", host=host)
+    region = netlab.start_region(lab, tmp_path / "region", registry, port=5082)
+    data = random.Random(3).randbytes(24 * MiB)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (tmp_path / "blob").write_bytes(data)
+    netlab.push_blob(lab, registry, "ranges/lost", tmp_path / "blob", digest)
+    lab.cap(host, 20)  # 2.5 MB/s: the 8 MiB range below takes seconds
+    url = f"{region.url}/v2/ranges/lost/blobs/{digest}"
+    start = len(data) - 8 * MiB
+    client = lab.popen(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: region.status(lab)["region"]["range_reads"] >= 1, "the range read to start", 30)
+    time.sleep(0.5)
+    lab.kill(registry.proc)
+    stdout, _ = client.communicate(timeout=120)
+    outcome = json.loads(stdout)
+    assert outcome["status"] in ("cut", 502) and outcome["len"] < 8 * MiB, outcome
+
+    status = wait_for(lambda: (s := region.status(lab)["region"])["fills_running"] == 0 and s, "the fill to end", 60)
+    assert status["range_reads"] == 1  # failed (or stopped with the failed fill), not retried
+    assert status["fills_failed"] == 1 and status["fills_committed"] == 0
+    out = lab.run(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
+                  timeout=120)
+    again = json.loads(out.stdout)
+    assert again["status"] in (502, 503) and "192.0.2" in again["body"], again  # names the origin
+    lab.kill(region.proc)
