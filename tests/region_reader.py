@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import random
+import ssl
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
-from cache.region.client import RegionSource
+from cache.region.client import RegionLink, RegionSource
 from cache.source import BlobRef, FetchChain
 from shoal.errors import ShoalError
 from snapshotter.fetch import NodeChunkLoader, SingleFlight
@@ -77,10 +78,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--at", type=float, default=0.0, help="start at this time.time()")
+    p.add_argument("--ca", default="", help="the region's CA (its HTTPS certificate chains to it)")
     args = p.parse_args()
 
     def fill_position() -> int:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        tls = ssl.create_default_context(cafile=args.ca or None)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=tls))
         status = json.loads(opener.open(args.region + "/-/status", timeout=10).read())
         return (status["filling"].get(args.digest) or {"written": args.size})["written"]
 
@@ -93,7 +96,7 @@ def main() -> int:
     loads: list[list[int]] = []
     loc = location_from_annotations(json.loads(args.annotations))
     blob = BlobRef(args.registry, args.repository, args.digest, args.size, plain_http=True)
-    source = _Recording(args.region)
+    source = _Recording(RegionLink(args.region, ca=args.ca))
     chain = FetchChain([source])
     time.sleep(max(0.0, args.at - time.time()))
     try:

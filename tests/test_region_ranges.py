@@ -105,6 +105,12 @@ def _wait_committed(world: World, region: netlab.LabRegion, digest: str) -> dict
     return wait_for(done, f"the fill of {digest}", 120, interval=0.2)
 
 
+def _trusting(region) -> dict:
+    """The environment of a client process that trusts the region's own CA (HTTPS, the
+    region's default; urllib reads SSL_CERT_FILE)."""
+    return {**netlab._env(), "SSL_CERT_FILE": region.ca}
+
+
 _GET_THEN_STATUS = """
 import hashlib, json, sys, urllib.request
 url, first, last, status_url = sys.argv[1:]
@@ -126,7 +132,8 @@ def test_a_range_past_the_fill_is_answered_while_the_fill_runs(world, capped_ori
     capped_origin()
     url = f"{world.region.url}/v2/ranges/tail/blobs/{digest}"
     out = world.lab.run(world.readers[0], [sys.executable, "-c", _GET_THEN_STATUS, url, str(start),
-                                           str(len(data) - 1), world.region.url + "/-/status"], timeout=120)
+                                           str(len(data) - 1), world.region.url + "/-/status"], timeout=120,
+                        env=_trusting(world.region))
     assert out.returncode == 0, out.stderr[-2000:]
     answer = json.loads(out.stdout)
     assert answer["code"] == 206 and answer["sha"] == hashlib.sha256(data[start:]).hexdigest()
@@ -143,7 +150,7 @@ def test_a_range_past_the_fill_is_answered_while_the_fill_runs(world, capped_ori
 
     # the stored copy is the fill's: whole and good
     out = world.lab.run(world.readers[1], [sys.executable, "-c", _GET_THEN_STATUS, url, "0", str(len(data) - 1),
-                                           world.region.url + "/-/status"], timeout=120)
+                                           world.region.url + "/-/status"], timeout=120, env=_trusting(world.region))
     assert json.loads(out.stdout)["sha"] == hashlib.sha256(data).hexdigest()
     assert len(world.origin_reads(digest)) == 2
 
@@ -187,7 +194,8 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
     for i, host in enumerate(world.readers):
         procs.append(world.lab.popen(host, [
             sys.executable, "-m", "tests.region_reader", world.eager.url, world.registry.host, "ranges/lazy",
-            digest, str(len(blob)), json.dumps(annotations), "--seed", str(i), "--at", str(at)],
+            digest, str(len(blob)), json.dumps(annotations), "--seed", str(i), "--at", str(at),
+            "--ca", world.eager.ca],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=netlab.REPO_ROOT, env=netlab._env()))
     outs = []
     for proc in procs:
@@ -252,7 +260,7 @@ def test_a_range_read_that_loses_the_origin_fails_the_answer_without_retrying(wo
     url = f"{region.url}/v2/ranges/lost/blobs/{digest}"
     start = len(data) - 8 * MiB
     client = lab.popen(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_trusting(region))
     wait_for(lambda: region.status(lab)["region"]["range_reads"] >= 1, "the range read to start", 30)
     time.sleep(0.5)
     lab.kill(registry.proc)
@@ -264,7 +272,7 @@ def test_a_range_read_that_loses_the_origin_fails_the_answer_without_retrying(wo
     assert status["range_reads"] == 1  # failed (or stopped with the failed fill), not retried
     assert status["fills_failed"] == 1 and status["fills_committed"] == 0
     out = lab.run(world.readers[0], [sys.executable, "-c", _GET_OUTCOME, url, str(start), str(len(data) - 1)],
-                  timeout=120)
+                  timeout=120, env=_trusting(region))
     again = json.loads(out.stdout)
     assert again["status"] in (502, 503) and "192.0.2" in again["body"], again  # names the origin
     lab.kill(region.proc)
