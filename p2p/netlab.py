@@ -62,6 +62,18 @@ def available() -> str | None:
     return None
 
 
+def lab_missing(fuse: bool = False) -> str | None:
+    """Why a lab with a registry (and, with `fuse`, FUSE mounts) cannot run here, or None."""
+    reason = available()
+    if reason:
+        return reason
+    if not os.access(REGISTRY_BIN, os.X_OK):
+        return f"{REGISTRY_BIN} is not installed (Debian package docker-registry)"
+    if fuse and not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    return None
+
+
 def registry_log(path: Path) -> list[dict]:
     """The completed requests a distribution registry logged (JSON log lines with
     http.request.method, http.request.uri, http.response.status and .written)."""

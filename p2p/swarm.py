@@ -700,7 +700,8 @@ class Swarm:
 
     def _check_settled(self, t: _Torrent, now: float) -> None:
         """A new torrent has met its peers when the tracker answered and it is connected
-        to the peers named (or to one of them for a while, or settle_wait has passed).
+        to the peers named (or to a seed, or to one of them for a while, or settle_wait has
+        passed).
         Until then an on-demand read waits (at most settle_wait) rather than go to the
         region for pieces a neighbour has."""
         if t.settled.is_set():
@@ -709,11 +710,16 @@ class Swarm:
             t.settled.set()  # the tracker is slow or down: go on without it
         elif t.tracker_reply:
             since = now - t.tracker_reply
-            ready = 0
+            ready = seeds = 0
             if t.tracker_peers > 0:
-                ready = sum(1 for p in t.handle.get_peer_info()
-                            if not p.flags & (lt.peer_info.connecting | lt.peer_info.handshake))
-            if t.tracker_peers <= 0 or ready >= t.tracker_peers or (ready and since >= 0.05) \
+                for p in t.handle.get_peer_info():
+                    if not p.flags & (lt.peer_info.connecting | lt.peer_info.handshake):
+                        ready += 1
+                        seeds += bool(p.flags & lt.peer_info.seed)
+            # met: every peer named, or a seed (it has every piece), or some peers for a
+            # while; SSL torrents' handshakes take longer, and settling on the first
+            # non-seed to answer sends the pieces only the seed has to the region
+            if t.tracker_peers <= 0 or ready >= t.tracker_peers or seeds or (ready and since >= 0.25) \
                     or since >= self.config.settle_wait:
                 t.settled.set()
 

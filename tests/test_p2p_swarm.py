@@ -45,18 +45,8 @@ MiB = 1 << 20
 PIECE = 256 << 10  # the region's piece size for blobs this small (p2p/metainfo.py)
 
 
-def _skip_reason() -> str | None:
-    reason = netlab.available()
-    if reason:
-        return reason
-    if not os.access(netlab.REGISTRY_BIN, os.X_OK):
-        return f"{netlab.REGISTRY_BIN} is not installed (Debian package docker-registry)"
-    if not os.path.exists("/dev/fuse"):
-        return "no /dev/fuse"
-    return None
-
-
-pytestmark = [pytest.mark.registry, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+_MISSING = netlab.lab_missing(fuse=True)
+pytestmark = [pytest.mark.registry, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
 
 
 class World:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from cache.origin import merge_ranges
+
 aiohttp = pytest.importorskip("aiohttp", reason="aiohttp is needed for the region cache (shoal[node])")
 import requests
 
@@ -87,12 +89,7 @@ def origin_reads(registry, digest: str, want_whole: int = 0) -> tuple[int, int, 
 
 def union_size(spans) -> int:
     """Bytes in the union of [a, b) spans."""
-    total, at = 0, 0
-    for a, b in sorted(spans):
-        a = max(a, at)
-        if b > a:
-            total, at = total + b - a, b
-    return total
+    return sum(b - a for a, b in merge_ranges(list(spans), gap=0))
 
 
 class RunningRegion:

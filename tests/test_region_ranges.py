@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.test_region import union_size
 
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 
@@ -35,16 +36,8 @@ MiB = 1 << 20
 ORIGIN_MBIT = 40  # the origin's uplink: 5 MB/s, so a fill of a few MiB takes a second or more
 
 
-def _skip_reason() -> str | None:
-    reason = netlab.available()
-    if reason:
-        return reason
-    if not os.access(netlab.REGISTRY_BIN, os.X_OK):
-        return f"{netlab.REGISTRY_BIN} is not installed (Debian package docker-registry)"
-    return None
-
-
-pytestmark = [pytest.mark.registry, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+_MISSING = netlab.lab_missing()
+pytestmark = [pytest.mark.registry, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
 
 
 @dataclass
@@ -170,14 +163,6 @@ def _chunked_layer(seed: int) -> tuple[bytes, dict, dict[str, str]]:
     return out.getvalue(), result.annotations, want
 
 
-def _union(spans) -> int:
-    total, at = 0, 0
-    for a, b in sorted(spans):
-        a = max(a, at)
-        if b > a:
-            total, at = total + b - a, b
-    return total
-
 
 def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(world, capped_origin):
     """Four nodes start reading one cold lazy layer at the same moment behind a cold
@@ -218,7 +203,7 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
     ranges = [w for code, w in origin if code == 206]
     assert all(code in (200, 206) for code, _ in origin)
     # every byte the nodes asked for came from the origin at most once
-    asked = _union([tuple(r) for out in outs for r in out["asked"]])
+    asked = union_size([tuple(r) for out in outs for r in out["asked"]])
     assert sum(ranges) <= asked
     assert ranges.count(loc.toc.end - loc.toc.offset) == 1  # four nodes, one TOC range read
     # (the region counts what it received: a read the fill overtook is cut, the origin may
