@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 sys.path.insert(0, str(common.REPO))
-from builder.oci.fromdir import build_image
+from tests.lab.fromdir import build_image
 
 TORCH = "2.13.0"  # this exact version: its CPU wheel is on local disk (others pull GBs of CUDA)
 THROUGHPUT_TARGET = 0.8

@@ -398,7 +398,7 @@ def torch_image() -> Image:
 
 
 def quick_image(work: Path) -> Image:
-    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import python_layer
 
     tree = work / "quick-tree"

@@ -26,7 +26,7 @@ ahead of the fill caused (docs/cache.md), with the origin bytes per blob byte.
    came, and the origin bytes per blob byte once the fill is done (the fill's whole
    copy plus the range reads). On loopback the origin is as close as the region and
    both are CPU-bound; with --origin-mbit N (root) the same runs in a network lab
-   (p2p/netlab.py): the registry in a namespace behind a `tc tbf` link of N Mbit/s, the
+   (tests/lab/netlab.py): the registry in a namespace behind a `tc tbf` link of N Mbit/s, the
    region in the hub, the client in a namespace of its own, as a node reaches both.
    --fill-window SIZE sets the region's fill_window ("1T": no range reads, the old
    behaviour of making every range wait for the fill).
@@ -148,7 +148,7 @@ def start_region(work: Path, origin_url: str, store: str = "region-store",
     log_path = work / "region.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}",
              "--origin", origin_url, "--store", str(work / store), *_region_config(work, fill_window),
              "--plain-http"],  # loopback; the figures compare serving, not TLS (docs/cache.md)
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
@@ -248,7 +248,7 @@ _LAB_READ = ("import hashlib, json, sys\n"
 def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: int, mbit: float,
                  fill_window: str | None = None) -> dict:
     """Scenario 4 in a network lab: the origin behind a link capped at `mbit`."""
-    from p2p import netlab
+    from tests.lab import netlab
 
     start, end = max(0, size - (1 << 20)), size
     with open(blob_path, "rb") as fh:

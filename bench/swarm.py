@@ -3,10 +3,10 @@ baseline, with every node reading it from the region directly.
 
     .venv/bin/python bench/swarm.py [--quick] [--json] [--nodes 2,4,8,16] [--size 1G] [--rate 200]
 
-Each node is a p2p.agent process (the node's fetch chain: swarm, region, origin) in its
+Each node is a tests.lab.agent process (the node's fetch chain: swarm, region, origin) in its
 own network namespace; its link is capped with `tc tbf` at --rate Mbit/s each way. The
 origin registry and the region (with tracker and metadata service) share a hub namespace
-(p2p/netlab.py). The blob is published first (pushed to the origin; the region fills it
+(tests/lab/netlab.py). The blob is published first (pushed to the origin; the region fills it
 once and makes its torrent), so a run measures distribution only. Per N:
 
 - p50_s / p99_s: time from the start until a node has the whole blob, verified against
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common
 
-from p2p import netlab
+from tests.lab import netlab
 
 REPO = "bench/swarm"
 

@@ -2,7 +2,7 @@
 for prefetch and background completion) and the chain's figures.
 
 `shoal node`'s layer file system process serves ROOT/swarm.sock when the swarm is on
-(p2p/node.py); p2p/agent.py serves the same ops plus its own. A unix socket lives in the
+(p2p/chain.py); tests/lab/agent.py serves the same ops plus its own. A unix socket lives in the
 file system, so a hook or a test reaches it whatever network namespace the node is in.
 One JSON request per line, one JSON answer per line (`{"ok": true, ...}` or
 `{"ok": false, "error": "..."}`; shoal/localrpc.py is the client):
@@ -42,7 +42,7 @@ def blob_from_dict(d: dict) -> BlobRef:
 
 
 class Control:
-    """The ops on a chain whose first source may be the swarm (p2p/node.py SwarmChain)."""
+    """The ops on a chain whose first source may be the swarm (p2p/chain.py SwarmChain)."""
 
     def __init__(self, chain, layers_dir: str | None = None) -> None:
         self.chain = chain

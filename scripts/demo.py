@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from builder.oci.fromdir import ImageConfig, build_image  # noqa: E402
+from tests.lab.fromdir import ImageConfig, build_image  # noqa: E402
 from tests.rootfs import busybox_layer, delta_layer, python_layer  # noqa: E402
 from tests.services import shoal_node_with_containerd, start_registry  # noqa: E402
 

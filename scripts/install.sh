@@ -44,6 +44,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "install: Python packages into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -e '.[node,test]' 2>&1 | grep -v -i -e warning -e '^ *$' -e '!!' -e wheel_obj >&2 || true
-  .venv/bin/python -c 'import builder, shoal.cli, zstandard, pyfastcdc, fastcrc, pyfuse3, aiohttp, boto3, grpc'
+  .venv/bin/python -c 'import builder, cli.main, zstandard, pyfastcdc, fastcrc, pyfuse3, aiohttp, boto3, grpc'
   touch "$stamp"
 fi

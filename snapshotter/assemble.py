@@ -35,8 +35,8 @@ def make_chain(config: dict) -> FetchChain:
         # with the node token, if the node has one: the region takes bad-bytes reports only from its nodes
         sources.append(RegionSource(RegionLink.from_config(config, with_token=True), read_timeout=deadline))
     sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", []), read_timeout=deadline))
-    if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/node.py, docs/p2p.md)
-        from p2p.node import swarm_chain
+    if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/chain.py, docs/p2p.md)
+        from p2p.chain import swarm_chain
 
         chain = swarm_chain(sources, config)
     else:

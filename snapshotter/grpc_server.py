@@ -4,7 +4,7 @@ containerd connects as a client (`[proxy_plugins.NAME] type = "snapshot"`), send
 plugin's NAME in every request's `snapshotter` field (ignored: one node serves one
 snapshotter, whatever the operator calls it) and reconnects by itself when the socket
 comes back after a restart. Every RPC becomes one Snapshotter call on a worker thread;
-wire types and error codes are convert.py's business.
+wire types and error codes are wire.py's business.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from shoal.errors import ShoalError
-from snapshotter import convert
+from snapshotter import wire
 from snapshotter.snapshotter import Snapshotter
 
 log = logging.getLogger("shoal.snapshotter.grpc")
@@ -30,9 +30,9 @@ log = logging.getLogger("shoal.snapshotter.grpc")
 MAX_MESSAGE = 16 << 20
 
 
-def _behaviour(sn: Snapshotter, method: convert.Method):
+def _behaviour(sn: Snapshotter, method: wire.Method):
     def abort(context: grpc.ServicerContext, exc: BaseException, started: float):
-        code, message = convert.error_status(exc)
+        code, message = wire.error_status(exc)
         if code != grpc.StatusCode.UNKNOWN:  # the protocol's own answers (AlreadyExists for remote layers)
             log.debug("%s -> %s: %s (%.1f ms)", method.name, code.name, message, (time.monotonic() - started) * 1e3)
         elif isinstance(exc, (ShoalError, OSError)):
@@ -71,7 +71,7 @@ def _behaviour(sn: Snapshotter, method: convert.Method):
 
 def service_handler(sn: Snapshotter) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
-        convert.SERVICE, {m.name: _behaviour(sn, m) for m in convert.METHODS},
+        wire.SERVICE, {m.name: _behaviour(sn, m) for m in wire.METHODS},
     )
 
 

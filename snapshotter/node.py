@@ -161,7 +161,7 @@ class Node:
         self._ready = False
 
     def start(self) -> None:
-        # Imported here: they load gRPC and the protobuf stubs (convert.py sets the
+        # Imported here: they load gRPC and the protobuf stubs (wire.py sets the
         # protobuf implementation first).
         from snapshotter.grpc_server import SnapshotsServer
         from snapshotter.local import LocalSnapshotter
@@ -239,9 +239,9 @@ def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from shoal.metrics import CONTENT_TYPE
-    from snapshotter.client_cli import node_metrics, node_status
+    from cli.pull_status import node_metrics, node_status
     from snapshotter.fs.client import FSClient
-    from snapshotter.install import socket_answers
+    from cli.install import socket_answers
 
     def readiness() -> str:
         if not socket_answers(grpc_socket, timeout=2):

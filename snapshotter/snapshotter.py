@@ -1,7 +1,7 @@
 """The snapshotter contract: what `shoal node` serves to containerd.
 
 This follows containerd's snapshots.Snapshotter (core/snapshots/snapshotter.go) word for
-word where it can; the gRPC edge (grpc_server.py, convert.py) only translates.
+word where it can; the gRPC edge (grpc_server.py, wire.py) only translates.
 
 Vocabulary
 ----------

@@ -1,10 +1,10 @@
 """containerd's client-side stubs for `shoal pull` and the node's chain proofs (content,
 images, leases, namespaces, snapshots).
 
-snapshotter.convert selects protobuf's pure-Python implementation (the only one that
+snapshotter.wire selects protobuf's pure-Python implementation (the only one that
 accepts the PyPI `containerd` package's 2021 generated code); importing it first keeps
 that choice in one place. Map fields of these stubs are repeated entries under that
-implementation: fill them with convert.labels_to_pb, never with a labels=... argument.
+implementation: fill them with wire.labels_to_pb, never with a labels=... argument.
 """
 
 # ruff: noqa: I001  (the import order is the point: convert first)
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import types
 
-from snapshotter import convert  # noqa: F401  (selects the protobuf implementation first)
+from snapshotter import wire  # noqa: F401  (selects the protobuf implementation first)
 
 from containerd.services.content.v1 import content_pb2, content_pb2_grpc  # noqa: E402
 from containerd.services.images.v1 import images_pb2, images_pb2_grpc  # noqa: E402
@@ -31,5 +31,5 @@ def containerd_stubs() -> types.SimpleNamespace:
         namespaces=namespace_pb2, namespaces_grpc=namespace_pb2_grpc,
         snapshots=snapshots_pb2, snapshots_grpc=snapshots_pb2_grpc,
         descriptor=descriptor_pb2, field_mask=field_mask_pb2.FieldMask,
-        labels_to_pb=convert.labels_to_pb, labels_from_pb=convert.labels_from_pb,
+        labels_to_pb=wire.labels_to_pb, labels_from_pb=wire.labels_from_pb,
     )

@@ -1,8 +1,8 @@
 """A small CRI v1 client, as the kubelet drives containerd's CRI plugin (PyPI
 `container-runtime-interface-api`: cri_api.v1.api_pb2 / api_pb2_grpc), for tests.
 
-The stubs need protobuf's pure-Python implementation like containerd's (snapshotter.convert
-selects it): import snapshotter.convert before this module's stubs load.
+The stubs need protobuf's pure-Python implementation like containerd's (snapshotter.wire
+selects it): import snapshotter.wire before this module's stubs load.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from snapshotter import convert  # noqa: F401  (selects the protobuf implementation first)
+from snapshotter import wire  # noqa: F401  (selects the protobuf implementation first)
 
 # isort: split
 import grpc

@@ -21,8 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
-from prefetch.embedded import containerd_config, shim_pids, stop_process
+from tests.lab.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
+from snapshotter.embedded import containerd_config, shim_pids, stop_process
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 START_TIMEOUT = 20.0
@@ -95,7 +95,7 @@ def start_region(origin_url: str, store: Path, log_path: Path) -> tuple[subproce
     port = free_port()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", origin_url,
+            [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}", "--origin", origin_url,
              "--store", str(store)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
         )

@@ -25,7 +25,7 @@ import pytest
 
 from builder.convert import convert
 from builder.oci.base import Manifest
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_destination, open_source
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer
@@ -281,7 +281,7 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
             assert [ly["proof"] for ly in s["lazy_layers"] if ly["digest"] == layer] == ["bad"]
             text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True).stdout
             assert f"BAD chain {top}" in text
-            from snapshotter.client_cli import node_metrics
+            from cli.pull_status import node_metrics
 
             metrics = node_metrics(s)
             assert 'shoal_node_chains{proof="bad"} 1' in metrics and 'shoal_node_chains{proof="proven"} 1' in metrics

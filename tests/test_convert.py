@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from shoal import mediatypes as mt
 from tests.imagetools import make_docker_archive, make_image, make_index, make_tar, sha256, write_layout
 from tests.rootfs import busybox_layer, delta_layer, python_layer

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from snapshotter.fs.client import FSClient
-from snapshotter.install import containerd_minor
+from cli.install import containerd_minor
 from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer
@@ -423,8 +423,8 @@ def test_doctor_on_a_healthy_node_and_on_broken_ones(tmp_path):
 def test_doctor_checks_the_cri_settings(tmp_path):
     """With the CRI plugin on: snapshot annotations off is a failure (no lazy layers),
     no runtime handler a warning, what `shoal install` writes is ok."""
-    from snapshotter.doctor import check_containerd_config
-    from snapshotter.install import Options, merged
+    from cli.doctor import check_containerd_config
+    from cli.install import Options, merged
 
     sock = str(tmp_path / "s.sock")
     config = tmp_path / "config.toml"
@@ -483,7 +483,7 @@ def test_region_healthz_and_readyz(module_registry, tmp_path):
     config.write_text('backend = "disk"\n[disk]\ncapacity = "64M"\n')
     with open(tmp_path / "region.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin",
+            [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}", "--origin",
              module_registry.url, "--store", str(tmp_path / "store"), "--config", str(config)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -559,7 +559,7 @@ def test_node_daemonset_wiring(tmp_path):
     install step waits for and writes into containerd's configuration; probes and the
     scrape annotation hit the port of the node's [metrics] address; shoal is not made
     the default snapshotter; the RuntimeClass names the handler the install adds."""
-    from snapshotter.install import DEFAULT_HANDLER
+    from cli.install import DEFAULT_HANDLER
     from snapshotter.node import load_config
 
     ds = find("DaemonSet", "shoal-node")["spec"]

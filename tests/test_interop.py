@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
 from builder.zstdchunked import (
     FOOTER_MAGIC,

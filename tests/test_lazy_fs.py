@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
 from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
 from shoal.errors import DigestMismatch

@@ -3,7 +3,7 @@
 network namespace with its own address; the origin (Debian's docker-registry) and a real
 `shoal region` (cache, tracker, torrent metadata) run in a hub namespace that holds the
 bridge. Addresses are 192.0.2.0/24 (TEST-NET-1) and exist only inside these namespaces
-(p2p/netlab.py).
+(tests/lab/netlab.py).
 
 A layer reaches a node as containerd hands it over: a Prepare with the remote-snapshot
 labels on the node's socket (snapshotter.pull.provide_layers). The test then reads the
@@ -37,9 +37,9 @@ pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (sh
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
-from p2p import netlab
+from tests.lab import netlab
 from shoal.metrics import parse as parse_metrics
-from snapshotter.client_cli import node_status
+from cli.pull_status import node_status
 
 MiB = 1 << 20
 PIECE = 256 << 10  # the region's piece size for blobs this small (p2p/metainfo.py)
@@ -76,7 +76,7 @@ class World:
         pushed to the origin, its layer's torrent ready at the region; with the sha256 of
         each file."""
         from builder.convert import convert
-        from builder.oci.fromdir import build_image
+        from tests.lab.fromdir import build_image
 
         self._seed += 1
         work = self.workdir / f"image{self._seed}"

@@ -160,6 +160,6 @@ def test_a_cancelled_recording_stops_everything_it_started(image):
             proc.wait()
     assert proc.returncode == 130 and "interrupted" in err
     assert embedded_leftovers() == []
-    from prefetch.embedded import shim_pids
+    from snapshotter.embedded import shim_pids
 
     assert shim_pids(address) == []

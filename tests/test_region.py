@@ -595,7 +595,7 @@ def test_shoal_region_command(registry, tmp_path):
     log_path = tmp_path / "region.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin", registry.url,
+            [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}", "--origin", registry.url,
              "--store", str(tmp_path / "store dir"), "--config", str(config)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
         )
@@ -646,7 +646,7 @@ def test_metrics_text_format():
 
 def test_shoal_region_usage_errors(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "shoal", "region", *args], check=False, cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "cli", "region", *args], check=False, cwd=REPO,
                               capture_output=True, text=True, timeout=60)
 
     r = run("--store", str(tmp_path))
@@ -673,7 +673,7 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
     log_path = tmp_path / "region.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}", "--origin",
+            [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}", "--origin",
              basic_registry.url, "--store", str(tmp_path / "store")],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
         )

@@ -1,5 +1,5 @@
 """The region serves any range of any blob at once (issue 12): real processes in a
-network lab (p2p/netlab.py). The origin (Debian's docker-registry) runs in a namespace of
+network lab (tests/lab/netlab.py). The origin (Debian's docker-registry) runs in a namespace of
 its own behind a `tc tbf` capped link, so a fill of a cold blob takes seconds; `shoal
 region` runs in the hub; the clients run in node namespaces, and the nodes' reads are
 made as a node makes them (tests/region_reader.py: RegionSource, the node's chunk
@@ -28,7 +28,7 @@ from tests.test_region import union_size
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 
 from builder.zstdchunked import LayerWriter, location_from_annotations
-from p2p import netlab
+from tests.lab import netlab
 from tests.imagetools import make_tar
 from tests.services import wait_for
 

@@ -87,7 +87,7 @@ def test_a_hung_registry_is_eio_within_the_deadline_and_recovers(tmp_path, stopp
         assert f"origin {registry.host}" in log and "unhealthy" in log, log[-3000:]
         sources = layers.fs.status()["store"]["sources"]["origin"]
         assert sources["hangs"] >= 1 and sources["skipped"] >= 1, sources
-        from snapshotter.client_cli import fetch_figures
+        from cli.pull_status import fetch_figures
 
         assert fetch_figures(layers.fs.status()["store"])["hangs"]["origin"] == sources["hangs"]
         os.kill(registry.pid, signal.SIGCONT)
@@ -171,7 +171,7 @@ def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry,
     someone else makes `ctr run` fail with one line, never a traceback, and works again
     once there is room."""
     from builder.convert import convert
-    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.fixtures_services import containerd_missing
     from tests.rootfs import busybox_layer
     from tests.services import SHOAL, CtrError, shoal_node_with_containerd
@@ -278,7 +278,7 @@ def test_the_node_root_is_root_s_alone(module_registry, tmp_path):
     Through the layer file system a file is served only as its layer's mode says: a
     0644 file to anyone, a root-owned 0600 file to root alone (default_permissions)."""
     from builder.convert import convert
-    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.fixtures_services import containerd_missing
     from tests.rootfs import busybox_layer
     from tests.services import SHOAL, shoal_node_with_containerd

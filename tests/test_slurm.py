@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p.netlab import registry_log
+from tests.lab.netlab import registry_log
 from tests.rootfs import lazy_app_image
 from tests.services import CTR_BIN, SHOAL
 from tests.slurm_lab import slurm_missing, start_slurm

@@ -54,8 +54,8 @@ from snapshotter.snapshotter import (
 grpc = pytest.importorskip("grpc", reason="the node dependencies are not installed (pip install '.[node]')")
 pytest.importorskip("containerd", reason="the node dependencies are not installed (pip install '.[node]')")
 
-# snapshotter.convert chooses protobuf's implementation: it comes before any protobuf import
-from snapshotter import convert
+# snapshotter.wire chooses protobuf's implementation: it comes before any protobuf import
+from snapshotter import wire
 from snapshotter.local import LocalSnapshotter, disk_usage
 from snapshotter.node import load_config
 from tests import services
@@ -502,11 +502,11 @@ def node_factory(short_tmp):
 
 
 class Client:
-    """A plain gRPC client of the Snapshots service, built from convert.METHODS."""
+    """A plain gRPC client of the Snapshots service, built from wire.METHODS."""
 
     def __init__(self, sock: Path | str, namespace: str | None = None) -> None:
         self.channel = grpc.insecure_channel(f"unix:{sock}")
-        self.methods = {m.name: m for m in convert.METHODS}
+        self.methods = {m.name: m for m in wire.METHODS}
         # containerd's own Snapshots service (same API) wants a namespace
         self.metadata = (("containerd-namespace", namespace),) if namespace else None
 
@@ -514,7 +514,7 @@ class Client:
         m = self.methods[method]
         request = m.request(**fields)
         if labels:
-            convert.labels_to_pb(request.labels, labels)
+            wire.labels_to_pb(request.labels, labels)
         factory = self.channel.unary_stream if m.streaming else self.channel.unary_unary
         call = factory(m.path, request_serializer=m.request.SerializeToString, response_deserializer=m.response.FromString)
         result = call(request, timeout=20, metadata=self.metadata)
@@ -541,7 +541,7 @@ def test_grpc_codes_socket_mode_and_listing(node_factory, short_tmp):
         c("Commit", key="a", name="c", labels={"l": "2"})
         c("Prepare", key="child", parent="c")
         c("View", key="v", parent="c")
-        info = convert.info_from_pb(c("Stat", key="c").info)
+        info = wire.info_from_pb(c("Stat", key="c").info)
         assert (info.kind, info.labels) == (Kind.COMMITTED, {"l": "2"})
         assert c("Usage", key="child").inodes == 1
 
@@ -553,15 +553,15 @@ def test_grpc_codes_socket_mode_and_listing(node_factory, short_tmp):
         assert c.code("Prepare", key="x", parent="child")[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert c.code("List", filters=["name=="])[0] == grpc.StatusCode.INVALID_ARGUMENT
         mask = field_mask_pb2.FieldMask(paths=["parent"])
-        assert c.code("Update", info=convert.info_to_pb(info), update_mask=mask)[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert c.code("Update", info=wire.info_to_pb(info), update_mask=mask)[0] == grpc.StatusCode.INVALID_ARGUMENT
         mask = field_mask_pb2.FieldMask(paths=["labels.m"])
         info.labels = {"m": "3"}
-        updated = convert.info_from_pb(c("Update", info=convert.info_to_pb(info), update_mask=mask).info)
+        updated = wire.info_from_pb(c("Update", info=wire.info_to_pb(info), update_mask=mask).info)
         assert updated.labels == {"l": "2", "m": "3"} and updated.updated_ns > updated.created_ns
 
         for i in range(250):  # more than one List batch
             c("View", key=f"view-{i:03d}", parent="c")
-        listed = [convert.info_from_pb(i) for r in c("List") for i in r.info]
+        listed = [wire.info_from_pb(i) for r in c("List") for i in r.info]
         assert len(listed) == 253 and {i.name for i in listed} >= {"c", "child", "v", "view-249"}
         assert [i.name for r in c("List", filters=["kind==active"]) for i in r.info] == ["child"]
         c("Cleanup")
@@ -593,11 +593,11 @@ def test_sigterm_delivered_to_a_grpc_thread_stops_the_node(node_factory):
 
 
 def test_error_mapping_of_unexpected_errors():
-    code, message = convert.error_status(KeyError("x"))
+    code, message = wire.error_status(KeyError("x"))
     assert code == grpc.StatusCode.UNKNOWN and message == "KeyError: 'x'"
-    code, message = convert.error_status(OSError(28, "No space left on device", "/var/lib/shoal/x"))
+    code, message = wire.error_status(OSError(28, "No space left on device", "/var/lib/shoal/x"))
     assert (code, message) == (grpc.StatusCode.UNKNOWN, "No space left on device: /var/lib/shoal/x")
-    code, message = convert.error_status(ShoalError("line one\nline two"))
+    code, message = wire.error_status(ShoalError("line one\nline two"))
     assert (code, message) == (grpc.StatusCode.UNKNOWN, "line one")
 
 
@@ -613,7 +613,7 @@ def test_node_restarts_after_kill_and_refuses_a_second_daemon(node_factory, shor
     node = node_factory()  # removes the stale socket
     c = Client(node.socket)
     try:
-        assert convert.info_from_pb(c("Stat", key="c").info).kind == Kind.COMMITTED
+        assert wire.info_from_pb(c("Stat", key="c").info).kind == Kind.COMMITTED
     finally:
         c.close()
 
@@ -769,7 +769,7 @@ def _run(ctd, image: str, cid: str, *command: str) -> str:
 
 @pytest.mark.containerd
 def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, registry, tmp_path_factory, node_factory):
-    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import busybox_layer, delta_layer
 
     ctd, node = shoal_containerd
@@ -792,7 +792,7 @@ def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, reg
     layers = committed()
     assert len(layers) == 2 and all(k.startswith("sha256:") for k in layers)
     c = Client(node.socket)
-    backend = sorted(convert.info_from_pb(i).name for r in c("List", filters=["kind==committed"]) for i in r.info)
+    backend = sorted(wire.info_from_pb(i).name for r in c("List", filters=["kind==committed"]) for i in r.info)
     c.close()
     assert len(backend) == 2  # containerd's metadata names them; the backend keys are its own
 
@@ -805,7 +805,7 @@ def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, reg
     # backend record is gone (removed behind containerd's back) -> NotFound from shoal.
     ctd.ctr("snapshots", "--snapshotter", "shoal", "prepare", "orphan-key", layers[-1])
     c = Client(node.socket)
-    [victim] = [convert.info_from_pb(i).name for r in c("List", filters=["name~=/orphan-key$/"]) for i in r.info]
+    [victim] = [wire.info_from_pb(i).name for r in c("List", filters=["name~=/orphan-key$/"]) for i in r.info]
     c("Remove", key=victim)
     c.close()
     proc = ctd.ctr("snapshots", "--snapshotter", "shoal", "info", "orphan-key", check=False)
@@ -846,7 +846,7 @@ def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, 
     `ctr image pull` unpacks without the remote labels (rootfs.ApplyLayers), so the
     unpacker's labelled Prepare (client.Pull / CRI / `shoal pull`) is sent to containerd's
     own Snapshots API here, as containerd's unpacker.go sends it."""
-    from builder.oci.fromdir import ImageConfig, build_image
+    from tests.lab.fromdir import ImageConfig, build_image
     from builder.oci.refs import open_source
     from snapshotter.node import Node
     from tests.rootfs import busybox_layer, delta_layer

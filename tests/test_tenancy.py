@@ -1,7 +1,7 @@
 """A closed swarm (issue 10, tests 4 and 5): who may get which bytes from the region, its
 tracker and the peers, with real processes.
 
-Test 4 runs in the network lab of tests/test_p2p_swarm.py (p2p/netlab.py): a hub
+Test 4 runs in the network lab of tests/test_p2p_swarm.py (tests/lab/netlab.py): a hub
 namespace with Debian's docker-registry behind a token server that grants scopes per
 repository (tests/conftest.py TokenServer), and a real `shoal region` (HTTPS with its own
 CA, the node token, SSL torrents); real `shoal node`s in namespaces of their own, each
@@ -32,7 +32,7 @@ pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (sh
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
-from p2p import netlab
+from tests.lab import netlab
 from tests.conftest import TOKEN_ISSUER, TOKEN_SERVICE
 from tests.services import free_port, stop_process, wait_for
 from tests.test_p2p_swarm import _sha256_file
@@ -132,7 +132,7 @@ def lab_world(tmp_path_factory):
 
 def _image(lab, registry, region, work: Path, name: str, seed: int, sizes: dict[str, int]):
     from builder.convert import convert
-    from builder.oci.fromdir import build_image
+    from tests.lab.fromdir import build_image
 
     root = work / name.replace("/", "_")
     tree = root / "tree"
@@ -316,7 +316,7 @@ def _start_region(tmp_path: Path, origin: str, *extra: str) -> tuple[subprocess.
     port = free_port()
     log_path = tmp_path / f"region-{port}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "shoal", "region", "--listen", f"127.0.0.1:{port}",
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}",
                                  "--origin", origin, "--store", str(tmp_path / f"store-{port}"), *extra],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=REPO)
     line = proc.stdout.readline().decode()

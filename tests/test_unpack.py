@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder.oci.base import Manifest
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import DockerRef, open_source
 from builder.oci.registry import RegistryDestination
 from shoal import mediatypes as mt

@@ -29,7 +29,7 @@ from builder.inspect import read_toc
 from builder.oci.refs import open_source
 from cache.region import backends
 from shoal.metrics import parse as parse_metrics
-from snapshotter.client_cli import node_metrics
+from cli.pull_status import node_metrics
 from snapshotter.remote import RemoteLayers
 from tests.services import wait_for
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
@@ -133,14 +133,14 @@ def nodes(tmp_path):
 
 def status(node: RemoteLayers) -> dict:
     """`shoal status --json` of the node, as a user runs it."""
-    out = subprocess.run([sys.executable, "-m", "shoal", "status", "--root", node.root, "--json"],
+    out = subprocess.run([sys.executable, "-m", "cli", "status", "--root", node.root, "--json"],
                          capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 def status_text(node: RemoteLayers) -> str:
-    out = subprocess.run([sys.executable, "-m", "shoal", "status", "--root", node.root],
+    out = subprocess.run([sys.executable, "-m", "cli", "status", "--root", node.root],
                          capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from builder.oci.fromdir import ImageConfig, build_image
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.services import mounts_under, unmount_under
 
 VERSION = "torch-image-v1"

@@ -3,7 +3,7 @@
     with Lab() as lab:
         hub = lab.hub                      # namespace with the bridge, 192.0.2.1
         n1 = lab.add_node(rate_mbit=200)   # its own namespace, 192.0.2.11, link capped both ways
-        proc = lab.popen(n1, [python, "-m", "p2p.agent", ...])
+        proc = lab.popen(n1, [python, "-m", "tests.lab.agent", ...])
         registry = start_registry(lab, workdir); region = start_region(lab, workdir, registry)
         [node] = start_nodes(lab, [n1], workdir, region, registry)   # `shoal node`, swarm on
 
@@ -371,7 +371,7 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     return line.decode().strip() if isinstance(line, bytes) else line.strip()
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SHOAL = str(Path(sys.executable).parent / "shoal")  # .venv/bin/shoal
 
 
@@ -674,7 +674,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
 
 @dataclass
 class LabAgent:
-    """A p2p.agent process in a node namespace; call() sends one control request."""
+    """A tests.lab.agent process in a node namespace; call() sends one control request."""
 
     host: Host
     proc: subprocess.Popen
@@ -705,7 +705,7 @@ class LabAgent:
 
 def spawn_agent(lab: Lab, host: Host, workdir: Path, region: LabRegion, swarm: dict | None = None,
                 swarm_enabled: bool = True, verbose: bool = False) -> LabAgent:
-    """Start a p2p.agent in the host's namespace; wait_ready() before using it."""
+    """Start a tests.lab.agent in the host's namespace; wait_ready() before using it."""
     root = workdir / host.ns
     root.mkdir(parents=True, exist_ok=True)
     control = str(root / "control.sock")
@@ -713,7 +713,7 @@ def spawn_agent(lab: Lab, host: Host, workdir: Path, region: LabRegion, swarm: d
               "swarm": {"enabled": swarm_enabled, "listen": f"{host.ip}:6881", "advertise_ip": host.ip,
                         **(swarm or {})}}
     log_path = root / "agent.log"
-    argv = [sys.executable, "-m", "p2p.agent", "--root", str(root), "--control", control,
+    argv = [sys.executable, "-m", "tests.lab.agent", "--root", str(root), "--control", control,
             "--config-json", json.dumps(config)]
     if verbose:
         argv.append("-v")

@@ -25,9 +25,9 @@ else:  # too late to choose: say why the import below would fail
 
     if _api.Type() != "python":
         raise ImportError(
-            f"snapshotter.convert must be imported before any other protobuf user, or run with "
+            f"snapshotter.wire must be imported before any other protobuf user, or run with "
             f"{_PB_ENV}=python (protobuf is already loaded with its {_api.Type()!r} implementation)",
-            name="snapshotter.convert",
+            name="snapshotter.wire",
         )
 
 from collections.abc import Callable, Iterable, Iterator

@@ -3,7 +3,7 @@ snapshotter/assemble.py builds (swarm, region, origin) behind a control socket.
 
 For the swarm benchmark (bench/swarm.py), which runs many of these in network namespaces:
 
-    python -m p2p.agent --root DIR --control SOCK --config-json '{"region_url": ..., "swarm": {...}}'
+    python -m tests.lab.agent --root DIR --control SOCK --config-json '{"region_url": ..., "swarm": {...}}'
 
 It prints one line `ready <pid> <listen port>` when it serves. The control socket takes
 the ops of p2p/control.py (ping, stats, download) and these:
@@ -69,7 +69,7 @@ class Agent(Control):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="p2p.agent", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tests.lab.agent", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True)
     p.add_argument("--control", required=True, help="unix socket path for requests")
     p.add_argument("--config-json", default="{}")

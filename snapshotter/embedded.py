@@ -118,7 +118,7 @@ class EmbeddedNode:
         os.makedirs(logs)
         with open(os.path.join(logs, "node.log"), "ab") as out:
             self._node = subprocess.Popen(
-                [sys.executable, "-m", "shoal", "node", "--root", self.root, "--socket", sock],
+                [sys.executable, "-m", "cli", "node", "--root", self.root, "--socket", sock],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self._wait(lambda: _listening(sock), self._node, "shoal node", "node.log")
         self.fs = FSClient(self.root)

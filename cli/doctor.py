@@ -153,7 +153,7 @@ def check_containerd_plugin(address: str, ctr: str = "ctr") -> Check:
 
 
 def check_socket(socket: str) -> Check:
-    from snapshotter.install import socket_answers
+    from cli.install import socket_answers
 
     try:
         answers = socket_answers(socket, timeout=5)
@@ -259,7 +259,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from snapshotter.install import DEFAULT_CONFIG, DEFAULT_HANDLER
+    from cli.install import DEFAULT_CONFIG, DEFAULT_HANDLER
     from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
 
     p = subparsers.add_parser(

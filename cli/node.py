@@ -1,4 +1,4 @@
-"""`shoal node`: registered by shoal/cli.py (COMMAND_MODULES). Imports nothing heavy at
+"""`shoal node`: registered by cli/main.py (COMMAND_MODULES). Imports nothing heavy at
 module level, so `shoal` works without the node's dependencies installed."""
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMAND_MODULES = ["cache.region.cli", "snapshotter.cli", "snapshotter.client_cli", "snapshotter.install",
-                   "snapshotter.doctor", "prefetch.cli"]
+COMMAND_MODULES = ["cli.region", "cli.node", "cli.pull_status", "cli.install",
+                   "cli.doctor", "cli.prefetch"]
 
 
 # Subcommands that run a command of the user's: `shoal profile record REF ... -- CMD ARGS`

@@ -7,7 +7,7 @@ image's start reads, and publish it).
     shoal profile save REF [--root ROOT] (--push | --out FILE) [--plain-http]
     shoal profile show REF [--plain-http] [--json]
 
-`record` runs the image once on an embedded node (prefetch/embedded.py) and publishes
+`record` runs the image once on an embedded node (snapshotter/embedded.py) and publishes
 what its start read, merged with what earlier recordings published (the CI step after
 `shoal convert`). `save` takes what the node at ROOT noted while containers of REF ran (every chunk their
 reads used, in order of first use) and publishes it next to the image
@@ -112,7 +112,7 @@ def _interrupt_on_sigterm() -> None:
 def cmd_record(args: argparse.Namespace) -> int:
     from builder.profile import Profile, fetch_profile
     from builder.zstdchunked import location_from_annotations
-    from prefetch.embedded import EmbeddedNode
+    from snapshotter.embedded import EmbeddedNode
 
     if not args.push and not args.out:
         raise UsageError("say where the profile goes: --push (next to the image) and/or --out FILE")

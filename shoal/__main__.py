@@ -1,5 +1,0 @@
-import sys
-
-from shoal.cli import main
-
-sys.exit(main())
