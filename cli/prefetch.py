@@ -11,7 +11,7 @@ image's start reads, and publish it).
 what its start read, merged with what earlier recordings published (the CI step after
 `shoal convert`). `save` takes what the node at ROOT noted while containers of REF ran (every chunk their
 reads used, in order of first use) and publishes it next to the image
-(builder/profile.py). Nodes that prepare the image afterwards fetch those chunks first, in
+(prefetch/profile.py). Nodes that prepare the image afterwards fetch those chunks first, in
 large requests, while containerd prepares the layers.
 """
 
@@ -68,7 +68,7 @@ def _print(summary: dict, as_json: bool) -> None:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from builder.profile import Profile
+    from prefetch.profile import Profile
     from snapshotter.fs.client import FSClient
 
     if not args.push and not args.out:
@@ -88,7 +88,7 @@ def cmd_save(args: argparse.Namespace) -> int:
 
 def _publish(args: argparse.Namespace, parsed, plain: bool, profile, layers: list[str]) -> str:
     """Write the profile to --out and/or push it next to the image: where it went."""
-    from builder.profile import push_profile
+    from prefetch.profile import push_profile
 
     where = []
     if args.out:
@@ -110,7 +110,7 @@ def _interrupt_on_sigterm() -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from builder.profile import Profile, fetch_profile
+    from prefetch.profile import Profile, fetch_profile
     from builder.zstdchunked import location_from_annotations
     from snapshotter.embedded import EmbeddedNode
 
@@ -148,7 +148,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from builder.profile import fetch_profile, profile_tag
+    from prefetch.profile import fetch_profile, profile_tag
 
     parsed, plain, manifest, layers = _resolve(args.ref, args.plain_http, args.platform)
     profile = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers)

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
-from p2p.control import SOCKET_NAME, Control, ControlServer
+from p2p.control import SOCKET_NAME, Control
 from p2p.swarm import Swarm, SwarmConfig, SwarmSource
 from p2p.tracker.client import MetadataClient
 from shoal.errors import ShoalError
+from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.swarm")
 

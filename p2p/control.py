@@ -23,10 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import threading
 import time
-from collections.abc import Callable
 
 from cache.source import BlobRef
 from shoal.digest import check_digest, is_digest
@@ -78,44 +75,4 @@ class Control:
             return {"path": self.swarm.download(blob, req.get("timeout")), "seconds": time.monotonic() - start}
         raise ShoalError(f"unknown op {op!r}")
 
-
-class ControlServer:
-    """JSON lines on a unix socket, a thread per connection; `handle(request) -> answer`."""
-
-    def __init__(self, path: str, handle: Callable[[dict], dict]) -> None:
-        self.path, self.handle = path, handle
-        if os.path.exists(path):
-            os.unlink(path)  # left by a process that died
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(path)
-        os.chmod(path, 0o600)
-        self._sock.listen(64)
-
-    def start(self) -> ControlServer:
-        threading.Thread(target=self.serve_forever, name="shoal-control", daemon=True).start()
-        return self
-
-    def serve_forever(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rwb") as fh:
-            for line in fh:
-                try:
-                    out = {"ok": True, **self.handle(json.loads(line))}
-                except (ShoalError, OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
-                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                except Exception as exc:  # answered, and logged: a bug must not kill the socket
-                    log.exception("control: %s", line[:200])
-                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                fh.write(json.dumps(out).encode() + b"\n")
-                fh.flush()
 

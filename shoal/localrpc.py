@@ -1,13 +1,20 @@
 """The node's local control sockets (the layer file system's ROOT/fs.sock, the swarm's
 ROOT/swarm.sock): one JSON request per line on a unix socket, one JSON answer per line,
-`{"ok": true, ...}` or `{"ok": false, "error": "..."}`. This is the client side."""
+`{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Both sides: `call` (client) and
+`Server` (a thread per connection; the socket is 0600, so only its owner reaches it)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
+import threading
+from collections.abc import Callable
 
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.control")
 
 
 def call(path: str, request: dict, timeout: float = 60.0, what: str = "") -> dict:
@@ -28,3 +35,44 @@ def call(path: str, request: dict, timeout: float = 60.0, what: str = "") -> dic
     if not reply.get("ok"):
         raise ShoalError(f"{what}: {op} failed: {reply.get('error')}")
     return reply
+
+
+class Server:
+    """JSON lines on a unix socket, a thread per connection; `handle(request) -> answer`."""
+
+    def __init__(self, path: str, handle: Callable[[dict], dict]) -> None:
+        self.path, self.handle = path, handle
+        if os.path.exists(path):
+            os.unlink(path)  # left by a process that died
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
+        self._sock.listen(64)
+
+    def start(self) -> Server:
+        threading.Thread(target=self.serve_forever, name="shoal-control", daemon=True).start()
+        return self
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as fh:
+            for line in fh:
+                try:
+                    out = {"ok": True, **self.handle(json.loads(line))}
+                except (ShoalError, OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
+                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                except Exception as exc:  # answered, and logged: a bug must not kill the socket
+                    log.exception("control: %s", line[:200])
+                    out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                fh.write(json.dumps(out).encode() + b"\n")
+                fh.flush()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from builder.zstdchunked import ChunkMemory
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
-from snapshotter.fetch import NodeChunkLoader, SingleFlight, WriteBehind
+from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 
 log = logging.getLogger("shoal.node")
 

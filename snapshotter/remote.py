@@ -34,7 +34,7 @@ from builder.convert import _Decompressing
 from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
-from builder.profile import Profile, fetch_profile
+from prefetch.profile import Profile, fetch_profile
 from builder.zstdchunked import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
@@ -183,7 +183,7 @@ class RemoteLayers:
         return self._prefetch_profile(blob, manifest_digest, image, layers)
 
     def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list) -> Profile | None:
-        """If the image has a published access profile (builder/profile.py), hand it to
+        """If the image has a published access profile (prefetch/profile.py), hand it to
         the layer file system, which fetches its chunks in its order as each layer is
         loaded: while containerd still prepares the layers, before the container's
         first read. Returns the profile handed over (bounded), or None."""

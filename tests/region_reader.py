@@ -1,7 +1,7 @@
 """One node's lazy start of one layer through the region, as `shoal node` reads it: the
 TOC range, then the chunks of every file, through a FetchChain whose only source is a
 RegionSource (so nothing can come from the origin directly), decoded and verified by
-the node's chunk loader (snapshotter/fetch.py). Run in a lab namespace by
+the node's chunk loader (cache/loader.py). Run in a lab namespace by
 tests/test_region_ranges.py:
 
     python -m tests.region_reader REGION_URL REGISTRY REPOSITORY DIGEST SIZE ANNOTATIONS_JSON \
@@ -32,7 +32,7 @@ from builder.zstdchunked import decompress_toc, location_from_annotations, parse
 from cache.region.client import RegionLink, RegionSource
 from cache.source import BlobRef, FetchChain
 from shoal.errors import ShoalError
-from snapshotter.fetch import NodeChunkLoader, SingleFlight
+from cache.loader import NodeChunkLoader, SingleFlight
 
 
 class _Memory:

@@ -1,4 +1,4 @@
-"""The node's chunk memory and its write-behind into the chunk store (snapshotter/fetch.py,
+"""The node's chunk memory and its write-behind into the chunk store (cache/loader.py,
 builder/zstdchunked.ChunkMemory), on a real ChunkStore; the fetch chain's deadline and
 source health (cache/source.py)."""
 
@@ -14,7 +14,7 @@ from builder.zstdchunked import ChunkMemory
 from cache.source import BlobRef, FetchChain, Source
 from cache.store import ChunkStore
 from shoal.errors import TransportError
-from snapshotter.fetch import WriteBehind
+from cache.loader import WriteBehind
 
 
 def chunk(i: int, size: int = 1000) -> tuple[str, bytes]:

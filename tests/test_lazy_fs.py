@@ -421,7 +421,7 @@ def test_first_prepare_warms_the_image_s_other_layers(image, node):
     assert (paths[0] / "usr/bin/python3.11").stat().st_size > 0
 
 
-# --- access profiles (builder/profile.py, shoal profile, prefetch by the node) -------------------
+# --- access profiles (prefetch/profile.py, shoal profile, prefetch by the node) -------------------
 
 
 def _manifest_digest(ref: str) -> str:
@@ -442,7 +442,7 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
     """A node notes the chunks reads use, in order; `shoal profile save --push` publishes
     them next to the image; a cold node that prepares the image fetches exactly those
     chunks before any read, and the same reads then send nothing to the registry."""
-    from builder.profile import profile_tag
+    from prefetch.profile import profile_tag
     from tests.services import SHOAL
 
     registry, ref, manifest, _ = image
@@ -506,7 +506,7 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
     ranges are not chunks of the layer prefetches nothing."""
     import logging
 
-    from builder.profile import Profile, fetch_profile, push_profile, push_profile_bytes
+    from prefetch.profile import Profile, fetch_profile, push_profile, push_profile_bytes
     from shoal.errors import FormatError
 
     registry, ref, manifest, _ = image
@@ -565,7 +565,7 @@ def test_a_profile_is_bounded_and_bound_to_its_manifest(image, node, tmp_path, c
 
     from builder.oci.refs import DockerRef
     from builder.oci.registry import RegistryDestination, RegistrySource
-    from builder.profile import Profile, fetch_profile, profile_tag, push_profile
+    from prefetch.profile import Profile, fetch_profile, profile_tag, push_profile
     from shoal.errors import FormatError
 
     registry, ref, manifest, _ = image
@@ -652,7 +652,7 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
     from cache.source import BlobRef
     from shoal.errors import ShoalError
     from snapshotter.assemble import make_data_path
-    from snapshotter.fetch import Unfetched
+    from cache.loader import Unfetched
 
     registry, ref, manifest, _ = image
     host, repo = ref.split("/", 1)

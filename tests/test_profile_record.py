@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.profile import Profile, fetch_profile
+from prefetch.profile import Profile, fetch_profile
 from shoal.errors import FormatError
 from shoal.fsutil import mounts
 from tests.rootfs import lazy_app_image

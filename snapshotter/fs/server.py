@@ -25,7 +25,7 @@ ROOT/layers/<hex>/bad and survives restarts.
 Access profile: the server notes every chunk that reads use, once, in the order of their
 first use, per layer and ordered across layers (`profile` returns [[layer digest, start,
 end], ...]; a layer's trace goes when it is unloaded). `prefetch` takes such a list (an
-image's published profile, builder/profile.py) and fetches those chunks in that order on
+image's published profile, prefetch/profile.py) and fetches those chunks in that order on
 threads of its own, several chunks per request, before the reads ask for them.
 Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
 then swarm/region/origin, verified); any failure is EIO plus a log line that names the

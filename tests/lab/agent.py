@@ -27,7 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cache.source import BlobRef
-from p2p.control import Control, ControlServer, blob_from_dict
+from p2p.control import Control, blob_from_dict
+from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.agent")
 
