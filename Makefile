@@ -19,5 +19,6 @@ test-fast: install  ## tests that need no daemons
 bench: install  ## all benchmarks, quick versions
 	@for b in bench/*.py; do .venv/bin/python $$b --quick; done
 
-lint: install  ## ruff (style) if installed in .venv
-	@.venv/bin/python -m ruff check . 2>/dev/null || echo "ruff not installed: .venv/bin/pip install ruff"
+lint: install  ## ruff over the tree, mypy over the product packages (both pinned in .venv)
+	@.venv/bin/python -m ruff check --quiet .
+	@.venv/bin/python -m mypy
