@@ -22,11 +22,14 @@ import sqlite3
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import zstandard
 
+from builder.format.footer import location_from_annotations
+from builder.format.writer import LayerWriter, WriterOptions
 from builder.oci.base import ImageDestination, ImageSource, Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import (
@@ -35,7 +38,6 @@ from builder.oci.refs import (
     open_source,
     parse_reference,
 )
-from builder.zstdchunked import LayerWriter, WriterOptions, location_from_annotations
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
 from shoal.errors import FormatError, ShoalError, UsageError

@@ -9,19 +9,12 @@ import tempfile
 from typing import BinaryIO
 
 from builder.convert import _Decompressing, _hash_tar, _platform_of
+from builder.format.footer import FOOTER_SIZE, TocLocation, location_from_annotations, parse_footer
+from builder.format.reader import decode_chunk
+from builder.format.toc import Toc, decompress_toc, parse_toc
 from builder.oci.base import ImageSource, Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import open_source
-from builder.zstdchunked import (
-    FOOTER_SIZE,
-    Toc,
-    TocLocation,
-    decode_chunk,
-    decompress_toc,
-    location_from_annotations,
-    parse_footer,
-    parse_toc,
-)
 from shoal import mediatypes as mt
 from shoal.digest import check_digest
 from shoal.errors import DigestMismatch, FormatError, ShoalError

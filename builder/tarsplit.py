@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import fastcrc
 

@@ -13,8 +13,9 @@ and unknown entry types, bad checksums, truncated streams.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from shoal.errors import FormatError
 

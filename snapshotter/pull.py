@@ -26,11 +26,7 @@ from builder.oci.base import Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import DockerRef, parse_reference
 from builder.oci.registry import RegistrySource
-from builder.zstdchunked import (
-    MANIFEST_CHECKSUM,
-    MANIFEST_POSITION,
-    location_from_annotations,
-)
+from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest

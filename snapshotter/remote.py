@@ -35,14 +35,14 @@ from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource
 from prefetch.profile import Profile, fetch_profile
-from builder.zstdchunked import (
+from builder.format.footer import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
     OLD_MANIFEST_CHECKSUM,
     OLD_MANIFEST_POSITION,
-    decompress_toc,
     location_from_annotations,
 )
+from builder.format.toc import decompress_toc
 from cache.origin import is_loopback_host
 from cache.source import BlobRef
 from shoal import mediatypes as mt

@@ -15,8 +15,8 @@ import io
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from builder.oci.base import ImageDestination, ImageSource, Manifest
 from builder.oci.documents import document_media_type, load_document

@@ -23,7 +23,7 @@ import re
 import socket
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlencode, urljoin, urlparse
 
 import requests
@@ -307,7 +307,7 @@ class _Client:
 
 def _basic_header(creds: Credentials) -> str:
     # UTF-8 like the docker CLI (requests' own helper would encode latin-1)
-    raw = f"{creds.username}:{creds.password}".encode("utf-8")
+    raw = f"{creds.username}:{creds.password}".encode()
     return "Basic " + base64.b64encode(raw).decode("ascii")
 
 
