@@ -77,7 +77,7 @@ def verify_layer(src: ImageSource, desc: dict, diff_id: str | None, toc: Toc | N
                 tmp.write(data)
         tmp.flush()
         tmp.seek(0)
-        got, _ = _hash_tar(_Decompressing(tmp, compression, what))  # type: ignore[arg-type]
+        got, _ = _hash_tar(_Decompressing(tmp, compression, what))
         if diff_id is not None and got != diff_id:
             raise DigestMismatch(f"{what}: uncompressed digest {got}, config diff_id {diff_id}")
         if toc is not None and loc is not None:
@@ -113,7 +113,7 @@ def _manifests(src: ImageSource) -> list[tuple[str | None, Manifest]]:
         return [(None, root)]
     if root.media_type not in mt.INDEX_TYPES:
         raise FormatError(f"{src.reference}: unsupported manifest type {root.media_type}")
-    out = []
+    out: list[tuple[str | None, Manifest]] = []
     for d in parse_index(root.data, src.reference).manifests:
         if d.media_type in mt.MANIFEST_TYPES:
             out.append((_platform_of(d.raw), src.get_manifest(d.digest)))

@@ -209,7 +209,7 @@ class TarReader:
         return b"".join(parts)
 
     def _read_rest(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             data = self._read_upto(1 << 30)
             if not data:
