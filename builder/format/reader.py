@@ -23,7 +23,12 @@ FetchRanges = Callable[[Sequence[tuple[int, int]]], Sequence[bytes]]
 
 
 class ChunkLoader(Protocol):
-    """Turns chunks into their verified, decompressed bytes (fetching as it must)."""
+    """Turns chunks into their verified, decompressed bytes (fetching as it must).
+
+    load returns one bytes object per chunk, in order, each checked against the chunk's
+    digest. Raises DigestMismatch or FormatError for bad bytes and a ShoalError naming
+    `what` when they cannot be had. Called from any thread (FUSE workers): thread-safe.
+    """
 
     def load(self, chunks: Sequence[Chunk], what: str) -> list[bytes]: ...
 
