@@ -22,11 +22,14 @@ import sqlite3
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import zstandard
 
+from builder.format.footer import location_from_annotations
+from builder.format.writer import LayerWriter, WriterOptions
 from builder.oci.base import ImageDestination, ImageSource, Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import (
@@ -35,7 +38,6 @@ from builder.oci.refs import (
     open_source,
     parse_reference,
 )
-from builder.zstdchunked import LayerWriter, WriterOptions, location_from_annotations
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
 from shoal.errors import FormatError, ShoalError, UsageError
@@ -136,7 +138,7 @@ class _ChunkIndex:
         out: dict[str, str] = {}
         for i in range(0, len(digests), 500):
             part = digests[i : i + 500]
-            q = "SELECT digest, first_seen FROM chunks WHERE digest IN (%s)" % ",".join("?" * len(part))
+            q = f"SELECT digest, first_seen FROM chunks WHERE digest IN ({','.join('?' * len(part))})"
             out.update(dict(self._db.execute(q, part).fetchall()))
         return out
 
@@ -283,7 +285,7 @@ class Converter:
             # (Old-variant layers, without tar-split, are rewritten below.)
             def check(path: str) -> None:
                 with open(path, "rb") as f:
-                    got, n = _hash_tar(_Decompressing(f, "zstd", what))  # type: ignore[arg-type]
+                    got, n = _hash_tar(_Decompressing(f, "zstd", what))
                 if got != diff_id:
                     raise FormatError(f"{what}: uncompressed content has digest {got}, the config's diff_id is {diff_id}")
                 report.bytes_in = n
@@ -299,7 +301,8 @@ class Converter:
         size = desc.get("size") if isinstance(desc.get("size"), int) else None
         out_path = os.path.join(self._work, f"layer-{src_digest.split(':')[1]}")
         label = f"layer {i + 1}/{n} {src_digest[7:19]}"
-        progress = (lambda done: self.progress(label, done, 0)) if self.progress else None
+        tell = self.progress
+        progress = (lambda done: tell(label, done, 0)) if tell else None
         writer = LayerWriter(
             WriterOptions(level=self.opt.level, avg_chunk=self.opt.avg_chunk, threads=self.opt.threads), progress
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import fastcrc
 
@@ -32,7 +32,7 @@ def crc64_update(crc: int, data: bytes | memoryview) -> int:
     return fastcrc.crc64.go_iso(data, initial=crc)
 
 
-_json_string = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_json_string = json.encoder.encode_basestring
 
 CRC64_INIT = 0  # go_iso applies Go's ^crc on entry and exit, so a fresh hash starts at 0
 

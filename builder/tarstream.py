@@ -13,8 +13,9 @@ and unknown entry types, bad checksums, truncated streams.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from shoal.errors import FormatError
 
@@ -208,7 +209,7 @@ class TarReader:
         return b"".join(parts)
 
     def _read_rest(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             data = self._read_upto(1 << 30)
             if not data:

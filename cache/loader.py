@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from builder.zstdchunked import Chunk, ChunkMemory, decode_chunk
+from builder.format.reader import decode_chunk
+from builder.format.toc import Chunk
+from cache.memory import ChunkMemory
 from cache.origin import MERGE_GAP
 from cache.source import BlobRef, FetchChain, Held, RangesFailed
 from shoal.errors import ShoalError
@@ -183,7 +185,7 @@ PREFETCH_SPAN = 4 << 20
 
 
 class NodeChunkLoader:
-    """A builder.zstdchunked.ChunkLoader for one layer blob on a node.
+    """A builder.format.reader.ChunkLoader for one layer blob on a node.
 
     Read-ahead (see _read_ahead): a fetch also takes the small chunks that follow the
     requested ones in the blob, in the same range request. Files are in tar order, so

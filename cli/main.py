@@ -75,6 +75,7 @@ def _print_convert(summary: dict) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from builder.convert import ConvertOptions, convert
+    from builder.format.writer import SWITCH_INTERVAL
 
     if args.level < 1 or args.level > 22:
         raise UsageError("--level must be between 1 and 22")
@@ -88,9 +89,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         chunk_index=args.chunk_index,
     )
     progress = TerminalProgress() if not args.json and sys.stderr.isatty() else None
+    # the command owns its process, so it may set the interpreter's switch interval the
+    # writer runs fastest with (a process-wide setting the library leaves alone)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch, SWITCH_INTERVAL))
     try:
         summary = convert(args.src, args.dst, args.plain_http, opt, progress)
     finally:
+        sys.setswitchinterval(switch)
         if progress:
             progress.finish()
     if args.json:

@@ -111,7 +111,7 @@ def _interrupt_on_sigterm() -> None:
 
 def cmd_record(args: argparse.Namespace) -> int:
     from prefetch.profile import Profile, fetch_profile
-    from builder.zstdchunked import location_from_annotations
+    from builder.format.footer import location_from_annotations
     from snapshotter.embedded import EmbeddedNode
 
     if not args.push and not args.out:

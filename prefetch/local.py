@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from builder.zstdchunked import location_from_annotations
+from builder.format.footer import location_from_annotations
 from cache.source import BlobRef
 from shoal.errors import ShoalError
 

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from builder.zstdchunked import ChunkMemory
+from cache.memory import ChunkMemory
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
 from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind

@@ -24,13 +24,9 @@ from dataclasses import dataclass
 
 from builder.oci.base import Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
-from builder.oci.refs import DockerRef, parse_reference
+from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
-from builder.zstdchunked import (
-    MANIFEST_CHECKSUM,
-    MANIFEST_POSITION,
-    location_from_annotations,
-)
+from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
 from cache.origin import is_loopback_host
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest
@@ -347,11 +343,8 @@ def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: st
 def image_ref(ref: str, plain_http: bool = False) -> tuple[str, DockerRef, bool]:
     """(HOST/REPO[:TAG], the parsed reference, plain HTTP?) of a registry image reference
     (docker:// optional; plain HTTP when asked or for a loopback registry)."""
-    text = ref if ref.startswith("docker://") else f"docker://{ref}"
-    parsed = parse_reference(text)
-    if not isinstance(parsed, DockerRef):
-        raise UsageError(f"{ref}: want a registry reference (HOST/REPO:TAG)")
-    return text.removeprefix("docker://"), parsed, plain_http or is_loopback_host(parsed.host)
+    parsed = parse_registry_ref(ref)
+    return ref.removeprefix("docker://"), parsed, plain_http or is_loopback_host(parsed.host)
 
 
 def resolve_manifest(src: RegistrySource, ref: str, platform: str | None = None) -> tuple[Manifest, Manifest, dict | None]:

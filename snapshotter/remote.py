@@ -32,17 +32,17 @@ from typing import BinaryIO
 
 from builder.convert import _Decompressing
 from builder.oci.documents import parse_config, parse_manifest
-from builder.oci.refs import DockerRef
+from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
 from prefetch.profile import Profile, fetch_profile
-from builder.zstdchunked import (
+from builder.format.footer import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
     OLD_MANIFEST_CHECKSUM,
     OLD_MANIFEST_POSITION,
-    decompress_toc,
     location_from_annotations,
 )
+from builder.format.toc import decompress_toc
 from cache.origin import is_loopback_host
 from cache.source import BlobRef
 from shoal import mediatypes as mt
@@ -75,19 +75,6 @@ LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
 LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
-
-
-def parse_image_ref(ref: str) -> tuple[str, str]:
-    """(registry host, repository) of `HOST/REPO[:TAG][@DIGEST]` (docker:// allowed)."""
-    ref = ref.removeprefix("docker://")
-    name = ref.split("@", 1)[0]
-    host, _, rest = name.partition("/")
-    if not rest or ("." not in host and ":" not in host and host != "localhost"):
-        host, rest = "docker.io", name if "/" in name else f"library/{name}"
-    last = rest.rsplit("/", 1)[-1]
-    if ":" in last:
-        rest = rest[: len(rest) - len(last)] + last.split(":", 1)[0]
-    return host, rest
 
 
 class RemoteLayers:
@@ -125,7 +112,8 @@ class RemoteLayers:
         if not digest or not image:
             return None
         check_digest(digest, "layer digest label")
-        registry, repository = parse_image_ref(image)
+        parsed = parse_registry_ref(image, short_names=True)
+        registry, repository = parsed.host, parsed.repository
         plain = registry in self.config.get("plain_http_hosts", []) or is_loopback_host(registry)
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)

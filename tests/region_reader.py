@@ -28,7 +28,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
+from builder.format.footer import location_from_annotations
+from builder.format.toc import decompress_toc, parse_toc
 from cache.region.client import RegionLink, RegionSource
 from cache.source import BlobRef, FetchChain
 from shoal.errors import ShoalError

@@ -413,7 +413,7 @@ def test_prove_blob_gives_the_diff_id_and_tells_a_bad_read_from_a_bad_blob():
 
     import zstandard
 
-    from builder.zstdchunked import LayerWriter
+    from builder.format.writer import LayerWriter
     from cache.source import BlobRef
     from snapshotter.fs import proof
     from tests.imagetools import make_tar
@@ -461,7 +461,7 @@ def test_layer_annotations_cannot_redirect_the_node(images, registry, node_facto
     its TOC) and whose config claims that layer's diff_id must not make the node fetch
     that layer with the node's credentials and serve it: through CRI, the node takes the
     layer CRI names (the image's own, from the image's own repository)."""
-    from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
+    from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION
 
     private = f"{registry.host}/poison/private:victim-lazy"
     convert(f"docker://{images['victim-gzip']}", f"docker://{private}", plain_http=True)

@@ -1,5 +1,5 @@
 """The node's chunk memory and its write-behind into the chunk store (cache/loader.py,
-builder/zstdchunked.ChunkMemory), on a real ChunkStore; the fetch chain's deadline and
+cache/memory.py), on a real ChunkStore; the fetch chain's deadline and
 source health (cache/source.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from builder.zstdchunked import ChunkMemory
+from cache.memory import ChunkMemory
 from cache.source import BlobRef, FetchChain, Source
 from cache.store import ChunkStore
 from shoal.errors import TransportError

@@ -15,21 +15,18 @@ import pytest
 
 from builder import tarsplit
 from builder.tarstream import TarReader, clean_name
-from builder.zstdchunked import (
+from builder.format.footer import (
     FOOTER_MAGIC,
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
     OLD_MANIFEST_POSITION,
-    LayerReader,
-    LayerWriter,
-    WriterOptions,
-    decompress_toc,
-    format_timestamp,
     location_from_annotations,
     parse_footer,
-    parse_toc,
     skippable_frame,
 )
+from builder.format.reader import LayerReader
+from builder.format.toc import decompress_toc, format_timestamp, parse_toc
+from builder.format.writer import LayerWriter, WriterOptions
 from shoal.errors import DigestMismatch, FormatError
 
 MTIME = 1_700_000_123.5

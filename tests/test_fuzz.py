@@ -12,16 +12,15 @@ from hypothesis import strategies as st
 
 from builder import tarsplit
 from builder.tarstream import TarReader
-from builder.zstdchunked import (
+from builder.format.footer import (
     FOOTER_MAGIC,
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
     TARSPLIT_POSITION,
-    decompress_toc,
     location_from_annotations,
     parse_footer,
-    parse_toc,
 )
+from builder.format.toc import decompress_toc, parse_toc
 from shoal.errors import FormatError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

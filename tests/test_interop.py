@@ -26,17 +26,16 @@ import pytest
 
 from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
-from builder.zstdchunked import (
+from builder.format.footer import (
     FOOTER_MAGIC,
     OLD_FOOTER_MAGIC,
     OLD_MANIFEST_CHECKSUM,
     ZSTD_MAGIC,
-    LayerReader,
-    decompress_toc,
     location_from_annotations,
     parse_footer,
-    parse_toc,
 )
+from builder.format.reader import LayerReader
+from builder.format.toc import decompress_toc, parse_toc
 from shoal import mediatypes as mt
 from tests.rootfs import busybox_layer, delta_layer, python_layer
 from tests.services import missing_dirs, remove_empty_dirs, unmount_under

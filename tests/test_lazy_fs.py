@@ -18,7 +18,7 @@ import pytest
 from builder.convert import convert
 from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
-from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
+from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION
 from shoal.errors import DigestMismatch
 from snapshotter import remote
 from snapshotter.remote import RemoteLayers
@@ -345,7 +345,7 @@ def test_malformed_toc_with_a_valid_digest_refuses_the_layer(image, node, tmp_pa
     the layer leaves nothing behind on the node."""
     import zstandard
 
-    from builder.zstdchunked import MANIFEST_TYPE_CRFS, skippable_frame
+    from builder.format.footer import MANIFEST_TYPE_CRFS, skippable_frame
     from shoal.errors import ShoalError
     from tests.test_region import push_blob
 
@@ -648,7 +648,8 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
 
     from builder.oci.refs import DockerRef
     from builder.oci.registry import RegistrySource
-    from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
+    from builder.format.footer import location_from_annotations
+    from builder.format.toc import decompress_toc, parse_toc
     from cache.source import BlobRef
     from shoal.errors import ShoalError
     from snapshotter.assemble import make_data_path

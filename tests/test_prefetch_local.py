@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.zstdchunked import location_from_annotations
+from builder.format.footer import location_from_annotations
 from tests.rootfs import lazy_app_image
 from tests.services import SHOAL, shoal_node_with_containerd
 

@@ -27,7 +27,8 @@ from tests.test_region import union_size
 
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 
-from builder.zstdchunked import LayerWriter, location_from_annotations
+from builder.format.footer import location_from_annotations
+from builder.format.writer import LayerWriter
 from tests.lab import netlab
 from tests.imagetools import make_tar
 from tests.services import wait_for

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.oci.auth import find_credentials
-from builder.oci.refs import open_destination, open_source, parse_reference
+from builder.oci.auth import find_credentials, parse_challenge
+from builder.oci.ranges import ContentRange, ContentRangeError, check_content_range
+from builder.oci.refs import open_destination, open_source, parse_reference, parse_registry_ref
 from shoal import mediatypes as mt
 from shoal.errors import DigestMismatch, FormatError, NotFound, ShoalError, TransportError, UsageError
 from tests.imagetools import (
@@ -92,6 +93,62 @@ def test_reference_forms():
     assert parse_reference("oci:/x/y").tag is None
     ref = parse_reference("docker-archive:/tmp/a b.tar:example.com:5000/app:v2")
     assert (ref.path, ref.image) == ("/tmp/a b.tar", "example.com:5000/app:v2")
+
+
+@pytest.mark.parametrize(
+    "text,short_names,want",
+    [
+        # docker:// optional; the first component is the registry host
+        ("127.0.0.1:5000/a/b:v1", False, ("127.0.0.1:5000", "a/b", "v1")),
+        ("docker://reg.example/a", False, ("reg.example", "a", "latest")),
+        ("org/app", False, ("org", "app", "latest")),
+        # containerd's and CRI's names: short ones are on docker.io, one component under library/
+        ("busybox", True, ("docker.io", "library/busybox", "latest")),
+        ("busybox:1.36@sha256:" + "ab" * 32, True, ("docker.io", "library/busybox", "1.36")),
+        ("org/app:v2", True, ("docker.io", "org/app", "v2")),
+        ("docker.io/library/busybox:latest", True, ("docker.io", "library/busybox", "latest")),
+        ("docker.io/busybox", True, ("docker.io", "busybox", "latest")),
+        ("localhost/app", True, ("localhost", "app", "latest")),
+        ("127.0.0.1:5000/a/b@sha256:" + "cd" * 32, True, ("127.0.0.1:5000", "a/b", None)),
+        ("quay.io/org/app:v1", True, ("quay.io", "org/app", "v1")),
+    ],
+)
+def test_registry_reference_forms(text, short_names, want):
+    ref = parse_registry_ref(text, short_names=short_names)
+    assert (ref.host, ref.repository, ref.tag) == want
+
+
+@pytest.mark.parametrize("text", ["busybox", "", "reg.example/Upper", "reg.example/a\nb", "reg.example/a@sha256:x"])
+def test_malformed_registry_references_are_usage_errors(text):
+    with pytest.raises(UsageError) as err:
+        parse_registry_ref(text)
+    one_line(err.value)
+
+
+def test_challenge_parsing():
+    header = ' Bearer realm="https://auth.example/token",Service="registry",scope="repository:a/b:pull" '
+    assert parse_challenge(header) == (
+        "bearer", {"realm": "https://auth.example/token", "service": "registry", "scope": "repository:a/b:pull"})
+    assert parse_challenge('Basic realm="x"') == ("basic", {"realm": "x"})
+    assert parse_challenge("") == ("", {})
+
+
+def test_content_range_checks():
+    assert check_content_range(" bytes 10-19/100 ", 10, 20, 100) == ContentRange(10, 19, 100)
+    assert check_content_range("bytes 10-14/*", 10, 20) == ContentRange(10, 14, None)  # short: the caller's length check
+    assert check_content_range("bytes 10-99/100", 10) == ContentRange(10, 99, 100)  # no end asked: start only
+    for header, end, size in [
+        ("bytes 11-19/100", 20, None),  # another start
+        ("bytes 10-20/100", 20, None),  # past the end
+        ("bytes 10-14/100", 20, 100),  # exact asked: short
+        ("bytes 10-19/99", 20, 100),  # exact asked: another blob length
+        ("bytes 10-19/*", 20, 100),
+        ("bytes=10-19", 20, None),
+        ("", 20, None),
+        ("bytes 1\u0660-19/100", 20, None),  # ASCII digits only
+    ]:
+        with pytest.raises(ContentRangeError):
+            check_content_range(header, 10, end, size)
 
 
 def test_docker_archive_is_not_a_destination(tmp_path):

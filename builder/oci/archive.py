@@ -82,16 +82,14 @@ class ArchiveSource(ImageSource):
             os.close(fd)
 
     def _gunzip_to_temp(self, fd: int) -> int:
-        tmp = tempfile.TemporaryFile(prefix="shoal-archive-")
-        try:
-            with open(fd, "rb", closefd=False) as raw, gzip.GzipFile(fileobj=raw) as src:
-                shutil.copyfileobj(src, tmp, _CHUNK)
-            tmp.flush()
-            return os.dup(tmp.fileno())
-        except (OSError, EOFError, zlib.error) as exc:
-            raise FormatError(f"{self.reference}: corrupt gzip archive ({exc})") from None
-        finally:
-            tmp.close()
+        with tempfile.TemporaryFile(prefix="shoal-archive-") as tmp:
+            try:
+                with open(fd, "rb", closefd=False) as raw, gzip.GzipFile(fileobj=raw) as src:
+                    shutil.copyfileobj(src, tmp, _CHUNK)
+                tmp.flush()
+                return os.dup(tmp.fileno())
+            except (OSError, EOFError, zlib.error) as exc:
+                raise FormatError(f"{self.reference}: corrupt gzip archive ({exc})") from None
 
     def _scan(self) -> dict[str, tarfile.TarInfo]:
         """All members by normalized name (later members win, as on extraction)."""

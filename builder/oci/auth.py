@@ -21,6 +21,7 @@ import base64
 import binascii
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,7 +129,16 @@ def _decode_entry(entry: dict, path: Path, key: str) -> Credentials | None:
         if not colon or not user:
             raise TransportError(f"{path}: auths[{key}].auth is not base64 of user:password")
         return Credentials(user, password)
-    user, password = entry.get("username"), entry.get("password")
-    if isinstance(user, str) and user and isinstance(password, str):
-        return Credentials(user, password)
+    username, secret = entry.get("username"), entry.get("password")
+    if isinstance(username, str) and username and isinstance(secret, str):
+        return Credentials(username, secret)
     return None
+
+
+def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """A WWW-Authenticate challenge: `Bearer realm="x",service="y",scope="z"` ->
+    ("bearer", {"realm": "x", ...}); scheme and parameter names lowercased. Pure: never
+    raises (an unreadable header gives a scheme no caller answers, or no parameters)."""
+    scheme, _, rest = header.strip().partition(" ")
+    params = {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
+    return scheme.lower(), params

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Self
 
 from builder.oci.documents import MAX_DOCUMENT_BYTES
 from shoal.errors import FormatError
@@ -91,7 +91,7 @@ class ImageSource(abc.ABC):
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> ImageSource:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -125,7 +125,7 @@ class ImageDestination(abc.ABC):
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> ImageDestination:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

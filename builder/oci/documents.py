@@ -26,6 +26,7 @@ with unknown fields kept.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shoal import mediatypes as mt
@@ -86,6 +87,7 @@ def _depth(obj: object) -> int:
     deepest, stack = 0, [(obj, 1)]
     while stack:
         value, d = stack.pop()
+        children: Iterable[object]
         if isinstance(value, dict):
             children = value.values()
         elif isinstance(value, list):

@@ -8,6 +8,10 @@ Accepted forms:
 - `docker-archive:FILE[:REPO:TAG]` or `docker-archive:FILE[:@INDEX]` (source only; FILE
   contains no colon; the default image is the archive's first)
 
+Registry references without a transport (`HOST[:PORT]/REPO[:TAG][@DIGEST]`, as `shoal
+pull` and containerd's image labels give them) go through parse_registry_ref, which can
+also read containerd's short names (`busybox`, `org/app`: on docker.io).
+
 Every malformed reference raises shoal.errors.UsageError with a one-line message.
 """
 
@@ -33,6 +37,7 @@ _REF_COMPONENT = r"[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*"
 _REF_NAME_RE = re.compile(rf"^{_REF_COMPONENT}(?:/{_REF_COMPONENT})*$")
 
 DEFAULT_TAG = "latest"
+DOCKER_HUB = "docker.io"  # the registry of a short name (parse_registry_ref)
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,7 @@ def parse_reference(text: str) -> Reference:
     """Parse a reference string; raise UsageError naming the problem if malformed."""
     if not isinstance(text, str) or not text:
         raise UsageError("empty image reference")
-    if any(ch in text for ch in "\n\r\0"):
-        raise UsageError(f"{text!r}: image reference contains a control character")
+    _check_characters(text)
     if text.startswith("docker://"):
         return _parse_docker(text)
     if text.startswith("oci:"):
@@ -99,6 +103,32 @@ def parse_reference(text: str) -> Reference:
         f"{text}: unknown transport (want docker://HOST/REPO[:TAG], oci:DIR[:TAG] "
         "or docker-archive:FILE)"
     )
+
+
+def parse_registry_ref(text: str, short_names: bool = False) -> DockerRef:
+    """Parse `[docker://]HOST[:PORT]/REPO[:TAG][@DIGEST]`; raise UsageError if malformed.
+
+    Without `short_names` the first path component is always the registry host, as in
+    docker:// references. With it, names read as containerd and CRI write them: a first
+    component that is no host (no "." or ":", not "localhost"), or no "/" at all, means
+    the repository is on docker.io, and a one-component name is under `library/`
+    (`busybox` -> docker.io/library/busybox, `org/app` -> docker.io/org/app).
+    """
+    name = text.removeprefix("docker://")
+    if short_names:
+        host, slash, _ = name.split("@", 1)[0].partition("/")
+        if not slash:
+            name = f"{DOCKER_HUB}/library/{name}"
+        elif "." not in host and ":" not in host and host != "localhost":
+            name = f"{DOCKER_HUB}/{name}"
+    text = f"docker://{name}"
+    _check_characters(text)
+    return _parse_docker(text)
+
+
+def _check_characters(text: str) -> None:
+    if any(ch in text for ch in "\n\r\0"):
+        raise UsageError(f"{text!r}: image reference contains a control character")
 
 
 def _parse_docker(text: str) -> DockerRef:

@@ -19,17 +19,16 @@ import base64
 import ipaddress
 import json
 import os
-import re
 import socket
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlencode, urljoin, urlparse
 
 import requests
 import urllib3
 
-from builder.oci.auth import Credentials, auth_files, find_credentials
+from builder.oci.auth import Credentials, auth_files, find_credentials, parse_challenge
 from builder.oci.base import ImageDestination, ImageSource, Manifest
 from builder.oci.documents import load_document
 from builder.oci.layout import (
@@ -38,6 +37,7 @@ from builder.oci.layout import (
     declared_media_type,
     detect_media_type,
 )
+from builder.oci.ranges import ContentRangeError, check_content_range
 from builder.oci.refs import DockerRef
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
@@ -117,7 +117,9 @@ def describe_connection_error(exc: BaseException) -> str:
 
 def _exception_chain(exc: BaseException) -> list[BaseException]:
     """exc and everything it wraps (causes, contexts, args, urllib3 `reason`s)."""
-    out, stack, seen = [], [exc], set()
+    out: list[BaseException] = []
+    stack: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while stack:
         err = stack.pop(0)
         if err is None or id(err) in seen:
@@ -128,13 +130,6 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
         stack.extend([err.__cause__, err.__context__, reason if isinstance(reason, BaseException) else None])
         stack.extend(a for a in getattr(err, "args", ()) if isinstance(a, BaseException))
     return out
-
-
-def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """`Bearer realm="x",service="y",scope="z"` -> ("bearer", {...})."""
-    scheme, _, rest = header.strip().partition(" ")
-    params = {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
-    return scheme.lower(), params
 
 
 class _Client:
@@ -178,7 +173,7 @@ class _Client:
 
     def _authenticate(self, resp: requests.Response, what: str) -> bool:
         """Answer a 401 challenge; True if a retry with new credentials makes sense."""
-        scheme, params = _parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+        scheme, params = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
         creds = self.credentials()
         if scheme == "basic":
             if creds is None or self._authorization is not None:
@@ -254,8 +249,9 @@ class _Client:
             except requests.RequestException as exc:
                 raise TransportError(f"{what}: {describe_connection_error(exc)}") from None
             finally:
-                if hasattr(data, "close"):
-                    data.close()
+                close = getattr(data, "close", None)
+                if close is not None:
+                    close()
             if retry and (resp.status_code >= 500 or resp.status_code == 429):
                 _release(resp)
                 time.sleep(_retry_delay(resp, attempt))
@@ -292,7 +288,7 @@ class _Client:
             return f"{what}: TLS failed ({reason}); if this registry serves plain HTTP, use --plain-http"
         return f"{what}: TLS failed ({reason})"
 
-    def fail(self, resp: requests.Response, what: str) -> TransportError:
+    def fail(self, resp: requests.Response, what: str) -> TransportError | NotFound:
         """The error for an unexpected response: NotFound for 404, else TransportError."""
         text = f"{what}: {_error_text(resp)} (HTTP {resp.status_code})"
         resp.close()
@@ -307,7 +303,7 @@ class _Client:
 
 def _basic_header(creds: Credentials) -> str:
     # UTF-8 like the docker CLI (requests' own helper would encode latin-1)
-    raw = f"{creds.username}:{creds.password}".encode("utf-8")
+    raw = f"{creds.username}:{creds.password}".encode()
     return "Basic " + base64.b64encode(raw).decode("ascii")
 
 
@@ -323,7 +319,7 @@ def _release(resp: requests.Response) -> None:
     """Drain a small body so the connection goes back to the pool, then close."""
     try:
         resp.raw.read(_ERROR_BODY_LIMIT, decode_content=False)
-    except Exception:  # the connection is discarded instead; nothing is lost
+    except Exception:  # noqa: BLE001, S110 (any failure: the connection is discarded instead; nothing is lost)
         pass
     resp.close()
 
@@ -334,14 +330,15 @@ def _error_text(resp: requests.Response) -> str:
     try:
         raw = resp.raw.read(_ERROR_BODY_LIMIT, decode_content=True)
         doc = json.loads(raw or b"null")
-    except Exception:  # an unreadable error body only costs us the detail
+    except Exception:  # noqa: BLE001 (an unreadable error body, however it fails, only costs the detail)
         doc = None
     if isinstance(doc, dict):
         for err in doc.get("errors") or []:
             if isinstance(err, dict) and isinstance(err.get("message"), str):
                 messages.append(err["message"] or str(err.get("code", "")))
-        if not messages and isinstance(doc.get("details") or doc.get("error"), str):
-            messages.append(doc.get("details") or doc.get("error"))
+        detail = doc.get("details") or doc.get("error")
+        if not messages and isinstance(detail, str):
+            messages.append(detail)
     text = "; ".join(m for m in messages if m) or resp.reason or "error"
     return " ".join(text.split())[:300]
 
@@ -478,9 +475,10 @@ def _manifest_type(content_type: str, data: bytes, what: str) -> str:
 
 
 def _check_content_range(header: str, start: int, end: int, what: str) -> None:
-    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", header.strip())
-    if not match or int(match.group(1)) != start or int(match.group(2)) > end - 1:
-        raise TransportError(f"{what}: registry answered with Content-Range {header!r}")
+    try:
+        check_content_range(header, start, end)
+    except ContentRangeError:
+        raise TransportError(f"{what}: registry answered with Content-Range {header!r}") from None
 
 
 def _read_exact(read: Callable[[int], bytes], n: int) -> bytes:

@@ -31,6 +31,7 @@ import requests
 import urllib3
 
 from builder.oci.auth import find_credentials
+from builder.oci.ranges import ContentRangeError, check_content_range
 from builder.oci.registry import is_loopback
 from cache.origin import merge_ranges, slice_spans
 from cache.region.tls import TOKEN_HEADER
@@ -221,9 +222,11 @@ class RegionSource(Source):
                 raise TransportError(f"{what}: HTTP {resp.status_code} {_message(resp)}".rstrip())
             skip = 0
             if resp.status_code == 206:
-                m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
-                if not m or int(m.group(1)) != start:
-                    raise TransportError(f"{what}: unexpected Content-Range {resp.headers.get('Content-Range')!r}")
+                try:
+                    check_content_range(resp.headers.get("Content-Range", ""), start)
+                except ContentRangeError:
+                    header = resp.headers.get("Content-Range")
+                    raise TransportError(f"{what}: unexpected Content-Range {header!r}") from None
             else:
                 skip = start  # a whole blob (the region ignored the range)
             data = self._read_body(resp, skip, end - start, what)

@@ -74,6 +74,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from builder.oci.ranges import ContentRangeError, check_content_range
 from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
 from cache.region.config import RegionConfig
 from cache.region.tls import TOKEN_HEADER
@@ -954,10 +955,11 @@ class RegionCache:
                 if resp.status != 206:
                     raise HTTPFailure(502, "ORIGIN_ERROR",
                                       f"origin answered HTTP {resp.status} for {what}: {await error_text(resp)}")
-                want = f"bytes {read.start}-{read.end - 1}/{fill.size}"
-                if resp.headers.get("Content-Range", "").strip() != want:
+                try:
+                    check_content_range(resp.headers.get("Content-Range", ""), read.start, read.end, fill.size)
+                except ContentRangeError:
                     raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered Content-Range "
-                                      f"{resp.headers.get('Content-Range')!r} for {what}")
+                                      f"{resp.headers.get('Content-Range')!r} for {what}") from None
                 pos, buf = read.start, bytearray()
                 flush = min(self._block, _AHEAD_PIECE)
                 try:

@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from urllib.parse import urlencode, urlparse
 
 import aiohttp
+
+from builder.oci.auth import parse_challenge
 
 log = logging.getLogger("shoal.region")
 
@@ -40,13 +41,6 @@ def credentials_key(authorization: str | None) -> str:
     if not authorization:
         return "anonymous"
     return hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """`Bearer realm="x",service="y",scope="z"` -> ("bearer", {...})."""
-    scheme, _, rest = header.strip().partition(" ")
-    params = {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
-    return scheme.lower(), params
 
 
 @dataclass

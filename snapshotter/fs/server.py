@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
-from builder.zstdchunked import LayerReader, parse_toc
+from builder.format.reader import LayerReader
+from builder.format.toc import parse_toc
 from cache.source import BlobRef
 from shoal.errors import ShoalError
 from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir

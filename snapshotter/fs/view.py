@@ -15,7 +15,7 @@ from __future__ import annotations
 import stat as statmod
 from dataclasses import dataclass
 
-from builder.zstdchunked import LayerReader, Stat
+from builder.format.reader import LayerReader, Stat
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"

@@ -1,0 +1,294 @@
+"""The TOC of a zstd:chunked layer: its model (Toc, Entry, Chunk) and its parser.
+
+TOC JSON: `{"version":1,"entries":[...],"tarSplitDigest":"sha256:..."}`. An entry of
+a regular file carries `digest` (sha256 of the content), `offset`/`endOffset` (the
+compressed range of its frames). A file cut into several chunks has its first chunk's
+`chunkSize`/`chunkDigest` on the `reg` entry, then one `chunk` entry per further
+chunk with `chunkOffset` (position in the file), `chunkSize`, `offset` (start of its
+frame) and `chunkDigest`; a chunk ends where the next begins, the last at `endOffset`.
+
+parse_toc and decompress_toc are pure functions over bytes: bad input raises
+shoal.errors.FormatError (DigestMismatch, a FormatError, for a TOC that is not the
+one its annotation names) and nothing else (the fuzz rule, tests/test_fuzz.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import hashlib
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import zstandard
+
+from builder.format.footer import MAX_TOC_UNCOMPRESSED
+from builder.tarstream import LayerEntries, clean_name
+from shoal.digest import check_digest, is_digest
+from shoal.errors import DigestMismatch, FormatError
+
+MAX_FILE_SIZE = 1 << 44  # 16 TiB: anything larger in a layer is hostile
+MAX_CHUNK_SIZE = 256 << 20  # a chunk is decompressed in memory
+
+ENTRY_TYPES = {"reg", "hardlink", "symlink", "char", "block", "dir", "fifo"}
+CHUNK_TYPE = "chunk"
+
+
+@dataclass
+class Chunk:
+    """One independently compressed piece of a file's content."""
+
+    file_offset: int  # where the chunk's bytes start in the file
+    size: int  # uncompressed bytes
+    start: int  # compressed range [start, end) in the blob
+    end: int
+    digest: str  # sha256 of the uncompressed bytes
+    zeros: bool = False
+
+
+@dataclass
+class Entry:
+    name: str  # cleaned: no leading "/" or "./", no trailing "/", "" for the root
+    type: str
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    size: int = 0
+    mtime: float = 0.0
+    linkname: str = ""  # symlink target as written; hard link target cleaned
+    devmajor: int = 0
+    devminor: int = 0
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    digest: str = ""
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass
+class Toc:
+    entries: list[Entry]
+    tarsplit_digest: str | None = None
+
+    def files(self) -> Iterable[Entry]:
+        return (e for e in self.entries if e.type == "reg")
+
+
+def _timestamp(value: object, key: str, name: str) -> float:
+    if value is None:
+        return 0.0
+    if not isinstance(value, str) or len(value) > 64:
+        raise FormatError(f"TOC entry {name!r}: bad {key}")
+    text = value
+    # RFC 3339 with up to nanoseconds; Python parses microseconds, so trim the rest.
+    try:
+        main, _, rest = text.partition(".")
+        frac = 0.0
+        if rest:
+            digits = "".join(c for c in rest[:9] if c.isdigit())
+            tz = rest[len(digits) :]
+            frac = float("0." + digits) if digits else 0.0
+            text = main + tz
+        # every "Z", not only a trailing one, reads as +00:00 (which TOCs parse stays fixed)
+        t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: FURB162
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=_dt.UTC)
+        return t.timestamp() + frac
+    except (ValueError, OverflowError):
+        raise FormatError(f"TOC entry {name!r}: bad {key} {value[:40]!r}") from None
+
+
+def format_timestamp(ts: float) -> str:
+    """RFC 3339 in UTC, fraction without trailing zeros (Go's RFC3339Nano)."""
+    sec = int(ts // 1)
+    frac = ts - sec
+    t = _dt.datetime.fromtimestamp(sec, _dt.UTC)
+    text = t.strftime("%Y-%m-%dT%H:%M:%S")
+    if frac:
+        digits = f"{frac:.9f}"[2:].rstrip("0")
+        if digits:
+            text += "." + digits
+    return text + "Z"
+
+
+def _int(obj: dict, key: str, name: str, limit: int = MAX_FILE_SIZE) -> int:
+    value = obj.get(key, 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > limit:
+        raise FormatError(f"TOC entry {name!r}: {key} {str(value)[:30]} out of range")
+    return value
+
+
+def _str(obj: dict, key: str, name: str) -> str:
+    value = obj.get(key, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise FormatError(f"TOC entry {name!r}: {key} is not a string")
+    return value
+
+
+def decompress_toc(compressed: bytes, expected_digest: str | None, uncompressed_size: int | None = None) -> bytes:
+    """Verify the compressed TOC against its digest and decompress it (bounded)."""
+    if expected_digest is not None:
+        got = "sha256:" + hashlib.sha256(compressed).hexdigest()
+        if got != expected_digest:
+            raise DigestMismatch(f"TOC digest mismatch (annotation says {expected_digest}, blob has {got})")
+    limit = uncompressed_size if uncompressed_size else MAX_TOC_UNCOMPRESSED
+    data = decompress_frames(compressed, limit, "TOC")
+    if uncompressed_size is not None and len(data) != uncompressed_size:
+        raise FormatError(f"TOC is {len(data)} bytes uncompressed, the position says {uncompressed_size}")
+    return data
+
+
+def decompress_frames(data: bytes | memoryview, limit: int, what: str) -> bytes:
+    """The zstd frames in `data`, decompressed, at most `limit` bytes; FormatError otherwise."""
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True) as r:
+            out = r.read(limit + 1)
+            if len(out) <= limit:
+                while len(out) <= limit:
+                    more = r.read(limit + 1 - len(out))
+                    if not more:
+                        break
+                    out += more
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: cannot decompress ({e})") from None
+    if len(out) > limit:
+        raise FormatError(f"{what}: decompresses to more than {limit} bytes")
+    return out
+
+
+def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
+    """Parse and validate uncompressed TOC JSON.
+
+    Raises FormatError for anything a reader could be misled by: names escaping the
+    root, duplicate entries, chunks that do not tile the file, ranges outside the blob.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise FormatError("TOC is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise FormatError("TOC is not a JSON object")
+    if doc.get("version") != 1:
+        raise FormatError(f"TOC version {str(doc.get('version'))[:20]}, want 1")
+    raw_entries = doc.get("entries")
+    if not isinstance(raw_entries, list):
+        raise FormatError("TOC has no entries list")
+    ts_digest = doc.get("tarSplitDigest") or None
+    if ts_digest is not None:
+        check_digest(ts_digest, "TOC tarSplitDigest")
+
+    entries: list[Entry] = []
+    rules = LayerEntries()
+    current: Entry | None = None  # the reg entry whose chunk entries may follow
+
+    def close_file() -> None:
+        nonlocal current
+        if current is None:
+            return
+        _finish_chunks(current, blob_size)
+        current = None
+
+    for raw in raw_entries:
+        if not isinstance(raw, dict):
+            raise FormatError("TOC entry is not an object")
+        typ = raw.get("type")
+        raw_name = raw.get("name")
+        if not isinstance(raw_name, str):
+            raise FormatError("TOC entry without a name")
+        name = clean_name(raw_name, untrusted=True)
+        if typ == CHUNK_TYPE:
+            if current is None or current.name != name:
+                raise FormatError(f"TOC chunk entry {name!r} does not follow its file")
+            current.chunks.append(_chunk(raw, name, file_offset=_int(raw, "chunkOffset", name)))
+            continue
+        close_file()
+        if not isinstance(typ, str) or typ not in ENTRY_TYPES:
+            raise FormatError(f"TOC entry {name!r}: unknown type {str(typ)[:20]!r}")
+        e = Entry(
+            name=name,
+            type=typ,
+            mode=_int(raw, "mode", name, 0o7777777),
+            uid=_int(raw, "uid", name, 2**32 - 1),
+            gid=_int(raw, "gid", name, 2**32 - 1),
+            size=_int(raw, "size", name),
+            mtime=_timestamp(raw.get("modtime"), "modtime", name),
+            linkname=_str(raw, "linkName", name),
+            devmajor=_int(raw, "devMajor", name, 2**32 - 1),
+            devminor=_int(raw, "devMinor", name, 2**32 - 1),
+            digest=_str(raw, "digest", name),
+        )
+        xattrs = raw.get("xattrs") or {}
+        if not isinstance(xattrs, dict):
+            raise FormatError(f"TOC entry {name!r}: xattrs is not an object")
+        for k, v in xattrs.items():
+            if not isinstance(v, str):
+                raise FormatError(f"TOC entry {name!r}: xattr {k[:40]!r} is not a string")
+            try:
+                e.xattrs[k] = base64.b64decode(v, validate=True)
+            except ValueError:
+                raise FormatError(f"TOC entry {name!r}: xattr {k[:40]!r} is not base64") from None
+        try:
+            rules.admit(raw_name, e.type, e.linkname)
+        except FormatError as err:
+            raise FormatError(f"TOC entry {name!r}: {err}") from None
+        if e.type == "hardlink":
+            e.linkname = clean_name(e.linkname, untrusted=True)
+        elif e.type == "symlink" and not e.linkname:
+            raise FormatError(f"TOC entry {name!r}: symlink without a target")
+        if e.type == "reg" and e.size:
+            if e.digest:
+                check_digest(e.digest, f"TOC entry {name!r} digest")
+            e.chunks.append(_chunk(raw, name, file_offset=0))
+            current = e
+        elif e.type != "reg":
+            e.size = 0
+        entries.append(e)
+    close_file()
+    return Toc(entries, ts_digest)
+
+
+def _chunk(raw: dict, name: str, file_offset: int) -> Chunk:
+    start = _int(raw, "offset", name)
+    digest = raw.get("chunkDigest") or ""
+    if digest:
+        check_digest(digest, f"TOC entry {name!r} chunkDigest")
+    ctype = raw.get("chunkType") or ""
+    if ctype not in ("", "data", "zeros"):
+        raise FormatError(f"TOC entry {name!r}: unknown chunkType {str(ctype)[:20]!r}")
+    c = Chunk(file_offset, _int(raw, "chunkSize", name, MAX_CHUNK_SIZE), start, 0, digest, ctype == "zeros")
+    c.end = _int(raw, "endOffset", name)  # only meaningful on the reg entry; fixed up later
+    return c
+
+
+def _finish_chunks(e: Entry, blob_size: int | None) -> None:
+    """Fill in chunk ends and sizes, then check that the chunks tile the file."""
+    chunks = e.chunks
+    end_offset = chunks[0].end
+    if len(chunks) == 1:
+        c = chunks[0]
+        c.size = e.size
+        c.end = end_offset
+        if not c.digest:
+            c.digest = e.digest
+    else:
+        for i, c in enumerate(chunks):
+            c.end = chunks[i + 1].start if i + 1 < len(chunks) else end_offset
+    expect = 0
+    for c in chunks:
+        if c.file_offset != expect:
+            raise FormatError(f"TOC entry {e.name!r}: chunk at file offset {c.file_offset}, want {expect}")
+        if c.size <= 0:
+            raise FormatError(f"TOC entry {e.name!r}: chunk of size {c.size}")
+        if c.size > MAX_CHUNK_SIZE and not c.zeros:
+            raise FormatError(f"TOC entry {e.name!r}: chunk of {c.size} bytes is too large")
+        if not (0 < c.start < c.end) or (blob_size is not None and c.end > blob_size):
+            raise FormatError(f"TOC entry {e.name!r}: compressed range {c.start}-{c.end} out of bounds")
+        if not is_digest(c.digest) and not c.zeros:
+            raise FormatError(f"TOC entry {e.name!r}: chunk without a sha256 digest")
+        expect += c.size
+    if expect != e.size:
+        raise FormatError(f"TOC entry {e.name!r}: chunks cover {expect} bytes of {e.size}")
