@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
+from p2p.config import SwarmConfig
 from p2p.control import SOCKET_NAME, Control, ResolveLayer
-from p2p.swarm import Swarm, SwarmConfig, SwarmSource
+from p2p.ondemand import SwarmSource
+from p2p.swarm import Swarm
 from p2p.tracker.client import MetadataClient
 from shoal.errors import ShoalError
 from shoal.localrpc import Server as ControlServer

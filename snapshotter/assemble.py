@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from builder.zstdchunked import ChunkMemory
+from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
-from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 
 log = logging.getLogger("shoal.node")
 

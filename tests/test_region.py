@@ -32,8 +32,8 @@ from cache.region.client import RegionLink, RegionSource
 from cache.region.config import AuthConfig, RegionConfig
 from cache.region.server import parse_range
 from cache.region.tls import ensure_region_tls
-from region.service import start_region
 from cache.source import BlobRef, FetchChain, NotHere
+from region.service import start_region
 from shoal.errors import TransportError
 from tests.services import free_port, stop_process
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)

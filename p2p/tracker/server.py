@@ -67,7 +67,7 @@ TORRENT_TYPE = "application/x-bittorrent"
 DEFAULT_NUMWANT = 50
 
 Authorize = Callable[[str, web.Request], Awaitable[None]]
-_EXPIRY_KEY = web.AppKey("swarm_expiry", object)
+_EXPIRY_KEY = web.AppKey("swarm_expiry", asyncio.Future)
 
 
 class TorrentSource(Protocol):
@@ -357,7 +357,8 @@ class SwarmService:
             "incomplete": answer.incomplete,
         }
         if q.get("compact", b"1") != b"0":
-            v4, v6 = [], []
+            v4: list[bytes] = []
+            v6: list[bytes] = []
             for peer_ip, peer_port in answer.peers:
                 packed = socket.inet_pton(socket.AF_INET6 if ":" in peer_ip else socket.AF_INET, peer_ip)
                 (v6 if len(packed) == 16 else v4).append(packed + peer_port.to_bytes(2, "big"))
