@@ -198,7 +198,7 @@ class Model:
 
     1. Download capacity: D = N * eff * rate * dt, at most what is still missing
        (N*P - sum(c) pieces).
-    2. Region: pieces nobody holds are fetched by their extent owner (p2p/swarm.py),
+    2. Region: pieces nobody holds are fetched by their extent owner (p2p/bulk.py, p2p/extents.py),
        `dup` times each when owners disagree; the region sends at most region_rate*dt
        and that traffic uses part of D. A fetched piece gets c = 1.
     3. Peers: the rest of D, at most U = eff * rate * dt * (nodes holding anything,

@@ -44,7 +44,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     data_path = asdict(config.fetch)
     data_path["root"] = os.path.abspath(args.root)  # the swarm's control socket: ROOT/swarm.sock
     if config.swarm:
-        from p2p.swarm import SwarmConfig
+        from p2p.config import SwarmConfig
 
         warnings: list[str] = []
         SwarmConfig.from_dict(config.swarm, warnings)  # a bad value: a one-line error now, not in the fs server

@@ -81,10 +81,10 @@ def cmd_region(args: argparse.Namespace) -> int:
 
 
 async def _serve(config, backend, host: str, port: int, tls, token: str) -> int:
-    from cache.region.server import start_server
+    from region.service import start_region
 
     try:
-        server = await start_server(config, backend, host, port, tls=tls, node_token=token)
+        server = await start_region(config, backend, host, port, tls=tls, node_token=token)
     except OSError as exc:
         raise ShoalError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     import asyncio

@@ -14,7 +14,8 @@ figures (bytes from peers, local storage and fallback, uploads, peers connected)
 
 With `config["root"]` (a node's root), the chain also serves ROOT/swarm.sock
 (p2p/control.py): the bulk path (download a layer's whole blob through the swarm) for
-prefetch hooks and tests, in the process that owns the swarm.
+prefetch hooks and tests, in the process that owns the swarm; `resolve_layer` (from the
+snapshotter side, p2p.control.ResolveLayer) names the blobs of the node's layers.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 
 from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
-from p2p.control import SOCKET_NAME, Control
-from p2p.swarm import Swarm, SwarmConfig, SwarmSource
+from p2p.config import SwarmConfig
+from p2p.control import SOCKET_NAME, Control, ResolveLayer
+from p2p.ondemand import SwarmSource
+from p2p.swarm import Swarm
 from p2p.tracker.client import MetadataClient
 from shoal.errors import ShoalError
 from shoal.localrpc import Server as ControlServer
@@ -77,7 +80,7 @@ def make_swarm(config: dict, fallback: FetchChain | None) -> Swarm:
     return Swarm(sc, metadata, fallback).start()
 
 
-def swarm_chain(sources: list[Source], config: dict) -> FetchChain:
+def swarm_chain(sources: list[Source], config: dict, resolve_layer: ResolveLayer | None = None) -> FetchChain:
     """[swarm, *sources] if the swarm can start; else the sources alone (logged)."""
     fallback = FetchChain(list(sources))
     try:
@@ -92,7 +95,7 @@ def swarm_chain(sources: list[Source], config: dict) -> FetchChain:
     root = config.get("root")
     if root:
         try:
-            control = Control(chain, os.path.join(root, "layers"))
+            control = Control(chain, swarm, resolve_layer)
             chain.control = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
         except OSError as exc:
             log.error("swarm control socket in %s: %s", root, exc)

@@ -4,15 +4,16 @@ flight."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 from cache.memory import ChunkMemory
 from cache.origin import OriginSource
 from cache.source import BlobRef, FetchChain, Source
-from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 
 log = logging.getLogger("shoal.node")
 
@@ -38,11 +39,27 @@ def make_chain(config: dict) -> FetchChain:
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/chain.py, docs/p2p.md)
         from p2p.chain import swarm_chain
 
-        chain = swarm_chain(sources, config)
+        chain = swarm_chain(sources, config, layer_blobs(config["root"]) if config.get("root") else None)
     else:
         chain = FetchChain(sources)
     chain.deadline, chain.backoff, chain.backoff_max = deadline, backoff, 3 * backoff
     return chain
+
+
+def layer_blobs(root: str) -> Callable[[str], BlobRef | None]:
+    """The swarm control socket's resolve_layer (p2p.control.ResolveLayer): the blob of a
+    layer this node provides, from ROOT/layers/<hex>/blob.json (snapshotter/remote.py
+    writes it), or None."""
+    from p2p.control import blob_from_dict
+
+    def resolve(layer: str) -> BlobRef | None:
+        try:
+            with open(os.path.join(root, "layers", layer, "blob.json")) as fh:
+                return blob_from_dict(json.load(fh))
+        except FileNotFoundError:
+            return None
+
+    return resolve
 
 
 def make_store(root: str, config: dict):

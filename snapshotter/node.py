@@ -115,7 +115,7 @@ class NodeConfig:
 
     snapshotter: SnapshotterConfig = field(default_factory=SnapshotterConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
-    # [swarm]: the libtorrent swarm (p2p.swarm.SwarmConfig documents and checks its keys
+    # [swarm]: the libtorrent swarm (p2p.config.SwarmConfig documents and checks its keys
     # when the node starts; `enabled = true` turns it on).
     swarm: dict = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

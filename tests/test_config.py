@@ -98,6 +98,6 @@ def test_config_values_are_typed():
         with pytest.raises((ValueError, OverflowError)):
             parse_size(bad)
     with pytest.raises(ConfigError):
-        from p2p.swarm import SwarmConfig
+        from p2p.config import SwarmConfig
 
         SwarmConfig.from_dict({"fallback_extent": 1})

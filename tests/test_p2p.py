@@ -23,9 +23,11 @@ aiohttp = pytest.importorskip("aiohttp")
 lt = pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (shoal[node])")
 from aiohttp import web
 
-from cache.source import BlobRef, FetchChain, NotHere, Source
+from cache.source import BlobRef, FetchChain, Held, NotHere, Source
 from p2p import bencode, metainfo
-from p2p.swarm import Held, Swarm, SwarmConfig, SwarmSource
+from p2p.config import SwarmConfig
+from p2p.ondemand import SwarmSource
+from p2p.swarm import Swarm
 from p2p.tracker.client import MetadataClient
 from p2p.tracker.peers import PeerTable
 from p2p.tracker.server import FileTorrents, mount, parse_query
@@ -210,7 +212,7 @@ def test_tracker_ranks_only_announced_peers_and_stays_bounded():
 
 
 def test_jump_hash_is_balanced_and_moves_little():
-    from p2p.tracker.peers import extent_key, jump_hash
+    from p2p.extents import extent_key, jump_hash
 
     keys = [extent_key(b"\3" * 20, e) for e in range(4096)]
     for n in (1, 2, 16, 1000):

@@ -30,9 +30,10 @@ from builder.oci.registry import RegistryDestination
 from cache.region import backends
 from cache.region.client import RegionLink, RegionSource
 from cache.region.config import AuthConfig, RegionConfig
-from cache.region.server import parse_range, start_server
+from cache.region.server import parse_range
 from cache.region.tls import ensure_region_tls
 from cache.source import BlobRef, FetchChain, NotHere
+from region.service import start_region
 from shoal.errors import TransportError
 from tests.services import free_port, stop_process
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
@@ -111,7 +112,7 @@ class RunningRegion:
         self.thread = threading.Thread(target=self.loop.run_forever, name="region-loop", daemon=True)
         self.thread.start()
         try:
-            fut = asyncio.run_coroutine_threadsafe(start_server(config, backend, "127.0.0.1", 0, tls=tls), self.loop)
+            fut = asyncio.run_coroutine_threadsafe(start_region(config, backend, "127.0.0.1", 0, tls=tls), self.loop)
             self.server = fut.result(timeout=20)
         except BaseException:
             self._stop_loop()

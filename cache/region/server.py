@@ -12,7 +12,10 @@ HTTP API (what nodes and containerd, as a hosts.toml mirror, talk to):
 - `GET /-/status`: JSON counters (see RegionCache.statistics); `GET /-/healthy` and
   `/healthz`: 200 while the server answers; `/readyz`: 200 when its backend answers too
   (503 otherwise: Kubernetes probes);
-  `GET /-/metrics`: the same figures (and the swarm service's) for Prometheus.
+  `GET /-/metrics`: the same figures for Prometheus.
+- Whatever the region's assembly mounts beside the cache (RegionCache.mount, an
+  Extension: `shoal region` mounts the swarm service at /p2p, region/service.py), with
+  its figures in /-/status and /-/metrics.
 
 Blob requests, in order:
 1. Access: unless `auth.check` is off, the client's credentials must be allowed for the
@@ -69,7 +72,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -80,7 +83,7 @@ from cache.region.config import RegionConfig
 from cache.region.tls import TOKEN_HEADER
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
-from shoal.metrics import CONTENT_TYPE, render
+from shoal.metrics import CONTENT_TYPE, Metric, render
 
 log = logging.getLogger("shoal.region")
 
@@ -334,13 +337,27 @@ class Fill:
             self.fd = -1
 
 
+class Extension(Protocol):
+    """A service mounted beside the cache (RegionCache.mount). The cache knows it only
+    by this: `name`, its key in /-/status; statistics(), a JSON-able dict for that key;
+    metrics(), its lines in /-/metrics (shoal.metrics.Metric). Both are called on the
+    event loop and must not block."""
+
+    name: str
+
+    def statistics(self) -> dict: ...
+
+    def metrics(self) -> list[Metric]: ...
+
+
 class RegionCache:
     """The region cache service for one origin and one backend."""
 
     def __init__(self, config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "") -> None:
         """tls: the cache.region.tls.RegionTLS it serves with (None: plain HTTP);
-        node_token: the secret the swarm service's callers must present ("" = none asked:
-        in-process tests only; `shoal region` always has one)."""
+        node_token: the secret the region's nodes present (bad-bytes reports, and whatever
+        is mounted beside the cache: the swarm service) ("" = none asked: in-process tests
+        only; `shoal region` always has one)."""
         self.config = config
         self.tls = tls
         self.node_token = node_token
@@ -369,7 +386,7 @@ class RegionCache:
             "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
-        self.swarm = None  # the swarm service (p2p/tracker/server.py SwarmService) when mounted
+        self.extensions: list[Extension] = []  # services mounted beside the cache (mount())
         self.app = self._make_app()
 
     # --- the application ------------------------------------------------------------
@@ -386,46 +403,38 @@ class RegionCache:
         app.router.add_route("*", "/v2/{tail:.*}", self._proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
-        if self.config.swarm:
-            self._mount_swarm(app)
         return app
 
-    def _mount_swarm(self, app: web.Application) -> None:
+    # --- the extension seam (the region's assembly, region/service.py) ---------------------
+
+    def mount(self, prefix: str, sub: web.Application, extension: Extension) -> None:
+        """Serve `sub` under `prefix` (before the application starts) and show `extension`'s
+        figures in /-/status (under extension.name) and /-/metrics (after the cache's own)."""
+        self.app.add_subapp(prefix, sub)
+        self.extensions.append(extension)
+
+    async def authorize(self, digest: str, request: web.Request) -> None:
+        """The region's access check for a request about blob `digest` in the repository
+        named by `?repo=` (the origin decides, as for the blob itself; see AccessCache):
+        returns, or raises web.HTTPException (400 without ?repo=, 401/403 refused, 502
+        when the origin cannot say)."""
+        repo = request.query.get("repo", "")
+        if not repo:
+            raise web.HTTPBadRequest(text="torrent metadata needs ?repo=NAME (the blob's repository)\n")
         try:
-            from p2p.region import mount_on_region
-        except ImportError as e:  # p2p needs nothing heavy on the region, but say so
-            log.warning("swarm service not available: %s", e)
-            return
+            await self.access.check(repo, digest, request.headers.get("Authorization"))
+        except HTTPFailure as f:
+            raise _http_error(f) from None
 
-        async def authorize(digest: str, request: web.Request) -> None:
-            repo = request.query.get("repo", "")
-            if not repo:
-                raise web.HTTPBadRequest(text="torrent metadata needs ?repo=NAME (the blob's repository)\n")
-            try:
-                await self.access.check(repo, digest, request.headers.get("Authorization"))
-            except HTTPFailure as f:
-                raise _http_error(f) from None
-
-        from p2p.tracker.server import SERVICE_KEY
-
+    @property
+    def self_url(self) -> str:
+        """How this server reaches itself (scheme://host:port; a host its certificate names)."""
         host, port = self.config.listen_address
         scheme = "https" if self.tls else "http"
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # a name its certificate has
         if ":" in host:
             host = f"[{host}]"
-        from cache.region.tls import PeerCA, client_context
-
-        try:
-            peer_ca = PeerCA(self.config.state_dir)
-        except ImportError:
-            peer_ca = None
-            log.warning("the cryptography package is missing: the swarm runs without peer certificates "
-                        "(any peer that knows a torrent can get its pieces)")
-        sub = mount_on_region(app, self.backend, str(Path(self.config.store) / "torrents"),
-                              self_url=f"{scheme}://{host}:{port}", authorize=authorize,
-                              self_ssl=client_context(self.tls.ca) if self.tls else None,
-                              node_token=self.node_token, peer_ca=peer_ca)
-        self.swarm = sub[SERVICE_KEY]
+        return f"{scheme}://{host}:{port}"
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
@@ -459,8 +468,8 @@ class RegionCache:
         except BackendError as exc:
             backend = {"error": str(exc)}
         out = {"origin": self.upstream.url, **self.statistics(), "backend": backend}
-        if self.swarm is not None:
-            out["swarm"] = self.swarm.statistics()
+        for extension in self.extensions:
+            out[extension.name] = extension.statistics()
         return web.json_response(out)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -468,9 +477,10 @@ class RegionCache:
             backend = await self._run(self.backend.statistics)
         except BackendError:
             backend = {}
-        return web.Response(text=region_metrics(self.statistics(), backend,
-                                                self.swarm.statistics() if self.swarm else None),
-                            headers={"Content-Type": CONTENT_TYPE})
+        lines = region_metrics(self.statistics(), backend)
+        for extension in self.extensions:
+            lines += extension.metrics()
+        return web.Response(text=render(lines), headers={"Content-Type": CONTENT_TYPE})
 
     async def _healthy(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -1032,8 +1042,8 @@ class RegionCache:
         return resp
 
 
-def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
-    """`GET /-/metrics`: RegionCache.statistics(), the backend's and the swarm service's."""
+def region_metrics(stats: dict, backend: dict) -> list[Metric]:
+    """The cache's lines of `GET /-/metrics`: RegionCache.statistics() and the backend's."""
     c, g = "counter", "gauge"
     out = [
         ("shoal_region_requests_total", c, "Blob requests.", stats["requests"]),
@@ -1057,26 +1067,7 @@ def region_metrics(stats: dict, backend: dict, swarm: dict | None) -> str:
         ("shoal_region_capacity_bytes", g, "The backend's capacity.", backend.get("capacity_bytes")),
         ("shoal_region_stored_blobs", g, "Blobs in the backend.", backend.get("blobs")),
     ]
-    if swarm is not None:
-        torrents = swarm.get("torrents") or {}
-        out += [
-            ("shoal_region_tracker_torrents", g, "Blobs with at least one peer.", swarm["swarms"]),
-            ("shoal_region_tracker_peers", g, "Peers the tracker knows, over all blobs.", swarm["peers"]),
-            ("shoal_region_tracker_downloaders", g, "Peers downloading a blob whole (ranked).", swarm["downloading"]),
-            ("shoal_region_tracker_announces_total", c, "Tracker announces.", swarm["announces"]),
-            ("shoal_region_tracker_ranked_torrents", g, "Blobs with ranked downloaders.", swarm["ranked_swarms"]),
-            ("shoal_region_tracker_evicted_total", c, "Swarms forgotten to keep the table bounded.",
-             swarm["swarms_evicted"]),
-            ("shoal_region_tracker_refused_total", c, "Announces and rank requests refused (bounds, unknown peer).",
-             swarm["refused"]),
-            ("shoal_region_swarm_unauthorized_total", c, "Swarm service calls without the node token.",
-             swarm["unauthorized"]),
-            ("shoal_region_peer_certs_total", c, "Peer certificates by outcome.",
-             [({"result": "issued"}, swarm["certs_issued"]), ({"result": "refused"}, swarm["certs_refused"])]),
-            ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
-            ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
-        ]
-    return render(out)
+    return out
 
 
 def _http_error(f: HTTPFailure) -> web.HTTPException:
@@ -1167,14 +1158,19 @@ class RunningServer:
 
 async def start_server(config: RegionConfig, backend: Backend, host: str, port: int, *, tls=None,
                        node_token: str = "") -> RunningServer:
-    """Start serving on host:port (0: any free port), over HTTPS with `tls` (a
-    cache.region.tls.RegionTLS), else plain HTTP. The backend is closed on stop()."""
-    cache = RegionCache(config, backend, tls=tls, node_token=node_token)
+    """Start serving the cache alone on host:port (0: any free port), over HTTPS with
+    `tls` (a cache.region.tls.RegionTLS), else plain HTTP. The backend is closed on
+    stop(). (`shoal region` serves the assembled region: region/service.py.)"""
+    return await serve(RegionCache(config, backend, tls=tls, node_token=node_token), host, port)
+
+
+async def serve(cache: RegionCache, host: str, port: int) -> RunningServer:
+    """Serve `cache` (and whatever is mounted on it) on host:port (0: any free port)."""
     runner = web.AppRunner(cache.app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, reuse_address=True,
-                           ssl_context=tls.server_context() if tls else None)
+                           ssl_context=cache.tls.server_context() if cache.tls else None)
         await site.start()
     except BaseException:
         await runner.cleanup()

@@ -1,5 +1,7 @@
-"""The node's clients of the region's swarm service (server.py): a blob's torrent
-(MetadataClient), and the tracker relay libtorrent announces through (TrackerRelay).
+"""The node's clients of the region's swarm service (server.py), every call it makes:
+a blob's torrent and peer certificate (MetadataClient), the tracker relay libtorrent
+announces and scrapes through (TrackerRelay), and the downloader rank the bulk path
+asks for (RankClient, through the relay).
 
 - One request per blob however many threads ask (the others wait for it); the answer is
   checked to name the blob (metainfo.parse_torrent) and kept on disk, so a node restart
@@ -16,13 +18,15 @@
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from urllib.parse import quote
+import urllib.request
+from urllib.parse import quote, urlencode
 
 import requests
 
@@ -292,3 +296,39 @@ class TrackerRelay:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def rank_url(tracker: str) -> str | None:
+    """The rank route beside a tracker's announce route (.../announce[?query]), or None."""
+    path, sep, query = tracker.partition("?")
+    if not path.endswith("/announce"):
+        return None
+    return path[: -len("/announce")] + "/rank" + sep + query
+
+
+class RankClient:
+    """GET <tracker>/rank?info_hash=&port= (server.py): this node's rank among the
+    downloaders of a blob. `tracker` is the announce URL libtorrent uses (the relay's,
+    TrackerRelay.url_for), so the call goes out as announces do. Blocking (any thread
+    but the swarm's owner); a failure is None (logged at debug): the caller decides
+    by its own view then."""
+
+    def __init__(self, timeout: float = 0.5) -> None:
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the relay is local
+
+    def rank(self, tracker: str, info_hash: bytes, port: int, what: str = "") -> tuple[int, int] | None:
+        """(rank, of) of this node (announced at `port`) among the info hash's downloaders,
+        or None: the tracker has no rank route or did not answer. `what` names the blob
+        in the log."""
+        url = rank_url(tracker)
+        if url is None:
+            return None
+        query = urlencode({"info_hash": info_hash, "port": port})
+        try:
+            with self._opener.open(f"{url}{'&' if '?' in url else '?'}{query}", timeout=self.timeout) as resp:
+                answer = json.loads(resp.read())
+            return int(answer["rank"]), int(answer["of"])
+        except (OSError, ValueError, KeyError) as exc:
+            log.debug("%s: no rank from %s: %s", what, url, exc)
+            return None

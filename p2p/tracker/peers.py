@@ -16,7 +16,7 @@ Rules (HTTP announce, BEP 3):
   for its rank among the nodes doing the same (rank()), and repeats while it downloads;
   an entry not renewed within `rank_ttl` seconds is dropped. Ranks are 0..n-1 in
   order of arrival; a leaver's rank goes to the last arrival. With a consistent hash
-  over ranks (jump_hash), every node computes the same owner for each part of the blob
+  over ranks (p2p/extents.py: jump_hash), every node computes the same owner for each part of the blob
   that nobody has yet, so the region serves it once however many nodes there are and
   however few of them any one node is connected to; and a node arriving or leaving
   moves only about 1/n of the parts to another owner.
@@ -34,32 +34,10 @@ Rules (HTTP announce, BEP 3):
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass, field
 
 EVENTS = ("", "started", "stopped", "completed", "paused")
-
-
-def jump_hash(key: int, buckets: int) -> int:
-    """Lamping and Veach's jump consistent hash: key -> 0..buckets-1, uniform, and
-    growing buckets by one moves only 1/buckets of the keys (all to the new bucket)."""
-    b, j = -1, 0
-    while j < buckets:
-        b = j
-        key = (key * 2862933555777941757 + 1) & 0xFFFFFFFFFFFFFFFF
-        j = int((b + 1) * ((1 << 31) / ((key >> 33) + 1)))
-    return b
-
-
-def extent_key(info_hash: bytes, extent: int) -> int:
-    return int.from_bytes(hashlib.blake2b(info_hash + extent.to_bytes(8, "big"), digest_size=8).digest(), "big")
-
-
-def rendezvous(info_hash: bytes, extent: int, ip: str) -> bytes:
-    """Highest-random-weight score of a node for an extent (a node's own view, when
-    the tracker gives no rank: few candidates, so the O(candidates) cost is fine)."""
-    return hashlib.blake2b(info_hash + extent.to_bytes(8, "big") + ip.encode(), digest_size=8).digest()
 
 
 @dataclass
@@ -81,7 +59,7 @@ class Answer:
 class PeerTable:
     interval: int = 60  # seconds between announces we ask of peers
     min_interval: int = 10  # the shortest we accept (forced reannounces)
-    peer_ttl: float | None = None
+    peer_ttl: float | None = None  # None: 2.5 announce intervals (ttl below)
     max_answer: int = 100
     max_swarm: int = 100_000
     max_swarms: int = 100_000
@@ -91,8 +69,8 @@ class PeerTable:
     rank_ttl: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.peer_ttl is None:
-            self.peer_ttl = 2.5 * self.interval
+        self.ttl: float = 2.5 * self.interval if self.peer_ttl is None else self.peer_ttl  # seconds a peer is kept
+        self.peer_ttl = self.ttl
         self._swarms: dict[bytes, dict[tuple[str, int], Peer]] = {}
         self._downloads: dict[bytes, int] = {}
         self._bulk: dict[bytes, dict[tuple[str, int], float]] = {}  # info hash -> {(ip, port): last ask}
@@ -131,6 +109,7 @@ class PeerTable:
         bulk, ranks = self._bulk.get(info_hash), self._ranks.get(info_hash)
         if not bulk or bulk.pop(key, None) is None:
             return
+        assert ranks is not None  # kept with bulk
         i = ranks.index(key)
         last = ranks.pop()
         if i < len(ranks):
@@ -179,7 +158,7 @@ class PeerTable:
             while len(self._downloads) > self.max_swarms:
                 del self._downloads[next(iter(self._downloads))]
         want = max(0, min(numwant, self.max_answer))
-        limit = now - self.peer_ttl
+        limit = now - self.ttl
         others = [p for k, p in swarm.items() if k != key and p.seen >= limit and not (left == 0 and p.left == 0)]
         chosen = others if len(others) <= want else self.rng.sample(others, want)
         return Answer([(p.ip, p.port) for p in chosen], *self._counts(swarm))
@@ -199,7 +178,7 @@ class PeerTable:
         return complete, len(swarm) - complete
 
     def _expire_swarm(self, swarm: dict, now: float) -> None:
-        limit = now - self.peer_ttl
+        limit = now - self.ttl
         for k in [k for k, p in swarm.items() if p.seen < limit]:
             del swarm[k]
 

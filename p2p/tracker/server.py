@@ -59,6 +59,7 @@ from p2p.tracker import PREFIX, TOKEN_HEADER
 from p2p.tracker.peers import PeerTable
 from shoal.digest import hex_of, is_digest
 from shoal.errors import DigestMismatch, ShoalError
+from shoal.metrics import Metric
 
 log = logging.getLogger("shoal.tracker")
 
@@ -66,8 +67,7 @@ TORRENT_TYPE = "application/x-bittorrent"
 DEFAULT_NUMWANT = 50
 
 Authorize = Callable[[str, web.Request], Awaitable[None]]
-SERVICE_KEY = web.AppKey("swarm_service", object)
-_EXPIRY_KEY = web.AppKey("swarm_expiry", object)
+_EXPIRY_KEY = web.AppKey("swarm_expiry", asyncio.Future)
 
 
 class TorrentSource(Protocol):
@@ -257,7 +257,11 @@ def _int_param(q: dict[str, bytes], key: str, default: int | None = None) -> int
 
 
 class SwarmService:
-    """The handlers; make_app() wires them into an application."""
+    """The handlers; make_app() wires them into an application. Also what the region's
+    /-/status and /-/metrics show of it (cache.region.server.Extension: name,
+    statistics(), metrics())."""
+
+    name = "swarm"  # its key in the region's /-/status
 
     def __init__(self, torrents: TorrentSource | None, table: PeerTable, announce_url: str | None,
                  trust_ip_param: bool, authorize: Authorize | None = None, peer_ca=None) -> None:
@@ -353,7 +357,8 @@ class SwarmService:
             "incomplete": answer.incomplete,
         }
         if q.get("compact", b"1") != b"0":
-            v4, v6 = [], []
+            v4: list[bytes] = []
+            v6: list[bytes] = []
             for peer_ip, peer_port in answer.peers:
                 packed = socket.inet_pton(socket.AF_INET6 if ":" in peer_ip else socket.AF_INET, peer_ip)
                 (v6 if len(packed) == 16 else v4).append(packed + peer_port.to_bytes(2, "big"))
@@ -390,8 +395,34 @@ class SwarmService:
             out["torrents"] = self.torrents.statistics()
         return out
 
+    def metrics(self) -> list[Metric]:
+        """The service's lines in the region's /-/metrics (shoal/metrics.py)."""
+        swarm = self.statistics()
+        torrents = swarm.get("torrents") or {}
+        c, g = "counter", "gauge"
+        return [
+            ("shoal_region_tracker_torrents", g, "Blobs with at least one peer.", swarm["swarms"]),
+            ("shoal_region_tracker_peers", g, "Peers the tracker knows, over all blobs.", swarm["peers"]),
+            ("shoal_region_tracker_downloaders", g, "Peers downloading a blob whole (ranked).", swarm["downloading"]),
+            ("shoal_region_tracker_announces_total", c, "Tracker announces.", swarm["announces"]),
+            ("shoal_region_tracker_ranked_torrents", g, "Blobs with ranked downloaders.", swarm["ranked_swarms"]),
+            ("shoal_region_tracker_evicted_total", c, "Swarms forgotten to keep the table bounded.",
+             swarm["swarms_evicted"]),
+            ("shoal_region_tracker_refused_total", c, "Announces and rank requests refused (bounds, unknown peer).",
+             swarm["refused"]),
+            ("shoal_region_swarm_unauthorized_total", c, "Swarm service calls without the node token.",
+             swarm["unauthorized"]),
+            ("shoal_region_peer_certs_total", c, "Peer certificates by outcome.",
+             [({"result": "issued"}, swarm["certs_issued"]), ({"result": "refused"}, swarm["certs_refused"])]),
+            ("shoal_region_torrents_served_total", c, "Torrent metadata answers.", swarm["torrents_served"]),
+            ("shoal_region_torrents_made_total", c, "Torrent metadata made from a verified blob.", torrents.get("made")),
+        ]
+
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.statistics())
+
+
+SERVICE_KEY = web.AppKey("swarm_service", SwarmService)  # the sub-application's handlers
 
 
 def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,

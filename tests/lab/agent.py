@@ -35,9 +35,11 @@ log = logging.getLogger("shoal.agent")
 
 class Agent(Control):
     def __init__(self, config: dict) -> None:
+        from p2p.chain import SwarmChain
         from snapshotter.assemble import make_chain
 
-        super().__init__(make_chain(config))
+        chain = make_chain(config)
+        super().__init__(chain, chain.swarm if isinstance(chain, SwarmChain) else None)
 
     def handle(self, req: dict) -> dict:
         op = req.get("op")
