@@ -107,7 +107,8 @@ class WriteBehind:
                     if wait <= 0 or self._bytes > self._limit // 2 or self._flush:
                         break
                     self._cond.wait(wait)
-                batch, size = [], 0
+                batch: list[tuple[str, bytes]] = []
+                size = 0
                 while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
                     digest = self._queue.popleft()
                     batch.append((digest, self._pending[digest]))
