@@ -29,6 +29,10 @@ from urllib.parse import urlparse
 
 from shoal.errors import UsageError
 
+# The node's root (`shoal node --root`) when none is given; the other default places
+# are folders in it: the region's store (region/), the swarm's torrent storage (swarm/).
+DEFAULT_ROOT = "/var/lib/shoal"
+
 _SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 

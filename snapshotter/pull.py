@@ -31,7 +31,7 @@ from builder.zstdchunked import (
     MANIFEST_POSITION,
     location_from_annotations,
 )
-from cache.origin import is_loopback_host
+from cache.origin import use_plain_http
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
@@ -351,7 +351,7 @@ def image_ref(ref: str, plain_http: bool = False) -> tuple[str, DockerRef, bool]
     parsed = parse_reference(text)
     if not isinstance(parsed, DockerRef):
         raise UsageError(f"{ref}: want a registry reference (HOST/REPO:TAG)")
-    return text.removeprefix("docker://"), parsed, plain_http or is_loopback_host(parsed.host)
+    return text.removeprefix("docker://"), parsed, use_plain_http(parsed.host, asked=plain_http)
 
 
 def resolve_manifest(src: RegistrySource, ref: str, platform: str | None = None) -> tuple[Manifest, Manifest, dict | None]:

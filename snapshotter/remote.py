@@ -43,7 +43,7 @@ from builder.zstdchunked import (
     decompress_toc,
     location_from_annotations,
 )
-from cache.origin import is_loopback_host
+from cache.origin import use_plain_http
 from cache.source import BlobRef
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, check_digest, hex_of
@@ -126,7 +126,7 @@ class RemoteLayers:
             return None
         check_digest(digest, "layer digest label")
         registry, repository = parse_image_ref(image)
-        plain = registry in self.config.get("plain_http_hosts", []) or is_loopback_host(registry)
+        plain = use_plain_http(registry, self.config.get("plain_http_hosts", []))
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)
         desc = self._descriptor(blob, labels)
