@@ -34,10 +34,6 @@ log = logging.getLogger("shoal.swarm")
 SOCKET_NAME = "swarm.sock"
 
 
-def blob_from_dict(d: dict) -> BlobRef:
-    return BlobRef(d["registry"], d["repository"], d["digest"], d.get("size"), bool(d.get("plain_http")))
-
-
 class Control:
     """The ops on a chain whose first source may be the swarm (p2p/chain.py SwarmChain)."""
 
@@ -48,14 +44,14 @@ class Control:
 
     def blob(self, req: dict) -> BlobRef:
         if "blob" in req:
-            return blob_from_dict(req["blob"])
+            return BlobRef.from_dict(req["blob"])
         layer = str(req.get("layer", ""))
         layer = check_digest(layer).split(":", 1)[1] if ":" in layer else layer
         if self.layers_dir is None or not is_digest("sha256:" + layer):
             raise ShoalError(f"download: want a blob or the id of a layer this node provides, not {layer[:80]!r}")
         try:
             with open(os.path.join(self.layers_dir, layer, "blob.json")) as fh:
-                return blob_from_dict(json.load(fh))
+                return BlobRef.from_dict(json.load(fh))
         except FileNotFoundError:
             raise ShoalError(f"layer {layer}: not provided by this node") from None
 

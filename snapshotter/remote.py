@@ -374,8 +374,7 @@ class RemoteLayers:
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(self.root, "layers"))
             with open(os.path.join(tmp, "toc.json"), "wb") as f:
                 f.write(toc_json)
-            meta = {"registry": blob.registry, "repository": blob.repository, "digest": blob.digest,
-                    "size": blob.size, "plain_http": blob.plain_http, "image": image}
+            meta = {**blob.to_dict(), "image": image}
             with open(os.path.join(tmp, "blob.json"), "w") as f:
                 json.dump(meta, f)
             try:
