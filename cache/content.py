@@ -351,7 +351,7 @@ class ContentDir:
         """A fresh path in tmp/ (same file system as data/) to write a file to commit."""
         return self.tmp / f"{self._token}.{secrets.token_hex(8)}"
 
-    def write_temp(self, data: bytes | memoryview) -> Path:
+    def write_temp(self, data: bytes | bytearray | memoryview) -> Path:
         """Write `data` to a new temp file (fsync'ed if configured); return its path."""
         path = self.temp_path()
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as fh:

@@ -34,11 +34,41 @@ log = logging.getLogger("shoal.fetch")
 
 
 class ChunkCache(Protocol):
-    """What the loader needs of a chunk store (cache.store.ChunkStore fits)."""
+    """What NodeChunkLoader needs of the node's chunk cache (WriteBehind over the chunk
+    store, or a ChunkMemory when the node has no store). Thread-safe: readers call it
+    from the file system's worker threads.
+
+    - get(digest): the chunk's verified bytes, or None (missing, or dropped as corrupt);
+    - contains(digest): the chunk is there, or on its way there (what "warm" means);
+    - put(digest, data): keep the chunk, which the caller has verified; a chunk that
+      cannot be kept is dropped, or an OSError raised (the read goes on without it).
+    """
 
     def get(self, digest: str) -> bytes | None: ...
 
-    def put(self, digest: str, data: bytes) -> None: ...
+    def contains(self, digest: str) -> bool: ...
+
+    def put(self, digest: str, data: bytes) -> object: ...
+
+
+class ChunkBacking(Protocol):
+    """What WriteBehind needs of the store it writes into (cache.store.ChunkStore fits).
+    Called from the writer's thread and the readers' threads at once.
+
+    - get(digest) / contains(digest): as ChunkCache;
+    - put_many(items, verified=True): store (digest, bytes) pairs in one transaction,
+      without hashing them again; one result per item (False: not kept, no room);
+      OSError (a full disk) drops the batch, logged;
+    - statistics(): the store's figures for `shoal status` (a dict of numbers).
+    """
+
+    def get(self, digest: str) -> bytes | None: ...
+
+    def contains(self, digest: str) -> bool: ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], *, verified: bool = False) -> list[bool]: ...
+
+    def statistics(self) -> dict: ...
 
 
 WRITE_BATCH_CHUNKS = 64
@@ -57,7 +87,7 @@ class WriteBehind:
     it is fetched again if needed. A crash loses only chunks not yet written: a cache.
     """
 
-    def __init__(self, store, limit: int = 1 << 30, quiet: float = 1.0):
+    def __init__(self, store: ChunkBacking, limit: int = 1 << 30, quiet: float = 1.0) -> None:
         self.store = store
         self._pending: dict[str, bytes] = {}
         self._bytes = 0
@@ -109,7 +139,8 @@ class WriteBehind:
                     if wait <= 0 or self._bytes > self._limit // 2 or self._flush:
                         break
                     self._cond.wait(wait)
-                batch, size = [], 0
+                batch: list[tuple[str, bytes]] = []
+                size = 0
                 while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
                     digest = self._queue.popleft()
                     batch.append((digest, self._pending[digest]))
@@ -135,7 +166,7 @@ class WriteBehind:
                 self._flush -= 1
 
     def statistics(self) -> dict:
-        out = dict(self.store.statistics()) if hasattr(self.store, "statistics") else {}
+        out = dict(self.store.statistics())
         with self._cond:
             out["pending_writes"] = len(self._pending)
         return out
@@ -223,14 +254,12 @@ class NodeChunkLoader:
 
     def stored(self, digest: str) -> bool:
         """The chunk is in the node's chunk store (or on its way there): what "warm" means."""
-        contains = getattr(self.cache, "contains", None)
-        return bool(contains is not None and contains(digest))
+        return self.cache.contains(digest)
 
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):
             return True
-        contains = getattr(self.cache, "contains", None)
-        return bool(contains is not None and contains(digest))
+        return self.cache.contains(digest)
 
     def _claim_extra(self, c: Chunk) -> bool:
         """Claim a chunk to fetch ahead: False if it is here or on its way already."""

@@ -9,7 +9,7 @@ registry client in builder.oci.registry; credentials from the docker config.json
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Collection, Sequence
 
 from builder.oci.refs import DockerRef
 from builder.oci.registry import RegistrySource, is_loopback
@@ -18,7 +18,13 @@ from cache.source import BlobRef, Source
 MERGE_GAP = 64 << 10
 
 
-is_loopback_host = is_loopback  # registries on loopback are reached over plain HTTP by default
+def use_plain_http(registry: str, listed: Collection[str] = (), *, asked: bool = False, loopback: bool = True) -> bool:
+    """The one rule for whether a node speaks plain HTTP to a registry ("host[:port]"):
+    when `asked` (--plain-http; a blob pulled so), when the registry is `listed` (the
+    node's [fetch] plain_http_hosts), or, unless `loopback` is false, when it is on
+    loopback. Else HTTPS. The node's configuration and flags decide, never an image's
+    labels (remote layers pass only the configuration)."""
+    return asked or registry in listed or (loopback and is_loopback(registry))
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[int, int]]:
@@ -45,8 +51,8 @@ def slice_spans(spans: list[tuple[int, int]], datas: list[bytes], ranges: Sequen
 class OriginSource(Source):
     """Reads ranges of blobs from the registry that holds them.
 
-    plain HTTP is used when the blob says so (pulled with --plain-http), when the host is
-    listed in `plain_http_hosts`, and by default for loopback registries; else HTTPS.
+    Plain HTTP or HTTPS by use_plain_http: the blob's plain_http, `plain_http_hosts`, and
+    loopback registries unless `plain_http_loopback` is false.
     """
 
     name = "origin"
@@ -62,9 +68,7 @@ class OriginSource(Source):
         self._local = threading.local()  # one client per thread: sessions are not shared
 
     def _plain(self, blob: BlobRef) -> bool:
-        return blob.plain_http or blob.registry in self._plain_hosts or (
-            self._plain_loopback and is_loopback_host(blob.registry)
-        )
+        return use_plain_http(blob.registry, self._plain_hosts, asked=blob.plain_http, loopback=self._plain_loopback)
 
     def _client(self, blob: BlobRef) -> RegistrySource:
         clients = getattr(self._local, "clients", None)

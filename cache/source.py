@@ -1,48 +1,66 @@
 """The fetch interface: where a node gets the bytes of a layer blob.
 
 Vocabulary:
-- a *blob* is a layer blob named by its digest, in a repository of a registry (BlobRef);
+- a *blob* is a layer blob named by its digest, in a repository of a registry (BlobRef,
+  the one blob reference; its dict form crosses processes and disks);
 - a *range* is [start, end) of its compressed bytes;
-- a *source* is one place ranges can come from: the node's swarm, the region cache, the
-  origin registry. Sources are tried in order by a FetchChain;
+- a *source* is one place ranges can come from: the node's swarm (p2p/), the region
+  cache (cache/region/client.py), the origin registry (cache/origin.py). Sources are
+  tried in order by a FetchChain;
 - a *check* is the caller's proof of a range: check(i, raw) returns what the caller keeps
   of range i (a chunk's decompressed, verified bytes; a piece; the raw bytes) or raises
   ShoalError when the bytes are not what the range should hold (a chunk's digest from the
-  TOC, a piece's SHA-1, a TOC's digest, a whole blob's digest). The chain runs it on each
-  source's answer before accepting it, so bytes are proven at the source they came from.
+  TOC, a piece's SHA-1, a TOC's digest, a whole blob's digest).
 
 Contract for every Source:
-- read_ranges() returns one bytes object per requested range, each exactly end - start
-  long, or raises one of:
-  - NotHere: "this source does not have the blob (now)": the chain moves on to the next
-    source at once, counted as not_here. A source must say NotHere quickly (no long
-    timeouts).
-  - TransportError: the source should have had it but failed (refused, timed out, short
-    read); the chain logs it, counts an error and moves on.
+- read_ranges(blob, ranges) returns one bytes object per requested range, each exactly
+  end - start long (a Held when the source keeps the bytes on the node itself). A wrong
+  count or length is a failure of the source (counted as an error, next source).
+- The errors a source raises, and what the chain does with each:
+  - NotHere: "this source does not have the blob (now)": the next source at once,
+    counted as not_here, not logged. A source must say NotHere quickly (no long
+    timeouts); a source that is down says NotHere while it retries later.
+  - TransportError (or a subclass): the source should have had it but failed
+    (refused, timed out, TLS refused, HTTP error, short read): logged at WARNING,
+    counted as an error, next source.
   - NotFound: the source was asked and says the blob does not exist there (an origin's
-    404); treated as TransportError (logged, counted, next source).
-  Anything else escaping a source is a bug and propagates.
-- A source does not verify: the chain does, with the caller's check. An answer whose
-  ranges fail their check counts as verify_failures of that source (logged once per
-  source and blob, at WARNING, naming source, blob and the failing range), the source's
-  report_bad() is told, and only the failed ranges are asked of the next source.
+    404): handled as TransportError (logged, counted, next source).
+  - Any other exception propagates out of the chain at once, unchanged, and no later
+    source is asked: a bug, or a ShoalError that no source can do better on (the
+    origin's FormatError for a range past the blob's end: HTTP 416, a blob shorter
+    than its size). The loader turns a ShoalError into EIO for the read.
+  SourceHung and RangesFailed are the chain's own; a source never raises them.
+- Who verifies: not the source but the chain, with the caller's check, on each
+  source's answer before accepting it, so bytes are proven at the source they came
+  from. An answer whose ranges fail their check counts as verify_failures of that
+  source (logged once per source and blob, at WARNING, naming source, blob and the
+  failing range), the source's report_bad() is told, and only the failed ranges are
+  asked of the next source. A check that raises anything but ShoalError propagates.
 - report_bad(blob, ranges) is a hint that the source served bytes that failed their
   check (the region re-checks its stored copy); it must not block for long and never
   raises. The default does nothing.
-- Sources are thread-safe: the FUSE file system calls them from worker threads.
+- health_key(blob) and describe(key) name what a hang makes unhealthy (below); close()
+  releases the source's connections and threads (the chain's close() calls it).
+- Threads: sources are thread-safe. The FUSE file system's worker threads call the
+  chain, and a chain with a deadline calls each source from its own worker pool
+  (threads named shoal-source), where a call it stopped waiting for may go on running.
 
-The chain raises TransportError (naming every source's failure) when, for some range,
-no source served bytes that passed its check: RangesFailed, carrying the results of the
-other ranges, when only some failed.
+What the chain raises (read_ranges with a check, as the loader calls it):
+- TransportError naming every source's failure when no source served any range that
+  passed its check; RangesFailed (a TransportError carrying the results of the other
+  ranges in `served`) when only some ranges failed; or what a source or the check let
+  propagate (above). NotHere, NotFound, SourceHung and the check's ShoalError never
+  escape it.
 
 Deadlines and health (a chain with a `deadline`):
 - One read_ranges() call of the chain returns or raises within `deadline` seconds (plus
   the caller's check), whatever its sources do: each source is asked from a worker
   thread and waited for at most the time left, less what the healthy sources after it
   keep (half of the time left, at most LATER_RESERVE seconds), so that they still have
-  time. A source that has not answered by then has
-  hung: the chain stops waiting (SourceHung, a TransportError), the source's call goes on
-  in its worker until the source's own timeouts end it, and its answer is dropped.
+  time. A source that has not answered by then has hung: the chain stops waiting
+  (SourceHung), the source's call goes on in its worker until the source's own
+  timeouts end it, and its answer is dropped. When the deadline has passed, the
+  sources not asked yet are named in the TransportError ("not asked").
 - A source that hung is *unhealthy* for a back-off (`backoff` seconds, doubled at each
   hang in a row up to `backoff_max`), per (source, health_key(blob)): the origin's key is
   the registry, so one hung registry does not take the others down. An unhealthy source
@@ -64,23 +82,51 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.errors import NotFound, ShoalError, TransportError
+from shoal.digest import check_digest
+from shoal.errors import FormatError, NotFound, ShoalError, TransportError
 
 log = logging.getLogger("shoal.fetch")
 
 
 @dataclass(frozen=True)
 class BlobRef:
-    """A layer blob and where its origin is."""
+    """A layer blob and where its origin is: the one blob reference of the data path.
+
+    Its dict form (to_dict/from_dict) is what crosses processes and disks: the layer
+    file system's blob.json, the swarm's completion marks, the swarm control socket."""
 
     registry: str  # "host[:port]"
     repository: str
     digest: str
-    size: int | None = None
-    plain_http: bool = False
+    size: int | None = None  # compressed bytes; None: not known yet
+    plain_http: bool = False  # the origin is spoken to in plain HTTP (cache.origin.use_plain_http)
 
     def __str__(self) -> str:
         return f"{self.registry}/{self.repository}@{self.digest}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"registry", "repository", "digest", "size", "plain_http"} (JSON-ready)."""
+        return {"registry": self.registry, "repository": self.repository, "digest": self.digest,
+                "size": self.size, "plain_http": self.plain_http}
+
+    @classmethod
+    def from_dict(cls, d: object) -> BlobRef:
+        """The blob of a dict written by to_dict (other keys are ignored). FormatError
+        naming the key unless registry and repository are non-empty strings, digest is
+        sha256:<64 hex>, size is absent, null or a whole number >= 0, and plain_http is
+        absent, null or a boolean."""
+        if not isinstance(d, dict):
+            raise FormatError(f"blob reference: want an object, not {type(d).__name__}")
+        for key in ("registry", "repository"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise FormatError(f"blob reference: {key} must be a non-empty string")
+        size = d.get("size")
+        if size is not None and (type(size) is not int or size < 0):
+            raise FormatError(f"blob reference: size must be a whole number >= 0, not {str(size)[:40]!r}")
+        plain = d.get("plain_http")
+        if plain is not None and not isinstance(plain, bool):
+            raise FormatError("blob reference: plain_http must be true or false")
+        return cls(d["registry"], d["repository"], check_digest(d.get("digest"), "blob digest"), size, bool(plain))
 
 
 class Held(bytes):

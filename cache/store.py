@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -108,7 +108,8 @@ class ChunkStore:
     def put(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         return self.put_many([(digest, data)])[0]
 
-    def put_many(self, items: list[tuple[str, bytes | bytearray | memoryview]], *, verified: bool = False) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]], *,
+                 verified: bool = False) -> list[bool]:
         """put() for several chunks, committed in one transaction. `verified`: the caller
         has just checked each chunk against its digest (the node's loader does, before it
         serves a byte), so it is not hashed again here."""

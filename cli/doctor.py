@@ -260,7 +260,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from cli.install import DEFAULT_CONFIG, DEFAULT_HANDLER
-    from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
+    from shoal.config import DEFAULT_ROOT
+    from snapshotter.node import DEFAULT_SOCKET
 
     p = subparsers.add_parser(
         "doctor",

@@ -64,7 +64,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
+    from shoal.config import DEFAULT_ROOT
+    from snapshotter.node import DEFAULT_SOCKET
 
     p = subparsers.add_parser(
         "node",

@@ -21,9 +21,8 @@ import argparse
 import json
 from collections import Counter
 
+from shoal.config import DEFAULT_ROOT
 from shoal.errors import ShoalError, UsageError
-
-DEFAULT_ROOT = "/var/lib/shoal"
 
 
 def _resolve(ref: str, plain_http: bool, platform: str | None):

@@ -6,9 +6,8 @@ import argparse
 import json
 import os
 
+from shoal.config import DEFAULT_ROOT
 from shoal.errors import ShoalError
-
-DEFAULT_ROOT = "/var/lib/shoal"
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -31,12 +31,13 @@ from p2p.control import SOCKET_NAME, Control, ResolveLayer
 from p2p.ondemand import SwarmSource
 from p2p.swarm import Swarm
 from p2p.tracker.client import MetadataClient
+from shoal.config import DEFAULT_ROOT
 from shoal.errors import ShoalError
 from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.swarm")
 
-DEFAULT_STORAGE = "/var/lib/shoal/swarm"
+DEFAULT_STORAGE = os.path.join(DEFAULT_ROOT, "swarm")
 
 
 @dataclass

@@ -43,10 +43,6 @@ SOCKET_NAME = "swarm.sock"
 ResolveLayer = Callable[[str], "BlobRef | None"]
 
 
-def blob_from_dict(d: dict) -> BlobRef:
-    return BlobRef(d["registry"], d["repository"], d["digest"], d.get("size"), bool(d.get("plain_http")))
-
-
 class Control:
     """The ops on a chain whose first source may be the swarm (p2p/chain.py SwarmChain).
 
@@ -63,7 +59,7 @@ class Control:
 
     def blob(self, req: dict) -> BlobRef:
         if "blob" in req:
-            return blob_from_dict(req["blob"])
+            return BlobRef.from_dict(req["blob"])
         layer = str(req.get("layer", ""))
         layer = check_digest(layer).split(":", 1)[1] if ":" in layer else layer
         if self.resolve_layer is None or not is_digest("sha256:" + layer):

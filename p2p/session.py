@@ -835,8 +835,7 @@ def _write_private(path: str, data: bytes) -> None:
 def _write_mark(path: str, blob: BlobRef) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        json.dump({"registry": blob.registry, "repository": blob.repository, "digest": blob.digest,
-                   "size": blob.size, "plain_http": blob.plain_http}, fh)
+        json.dump(blob.to_dict(), fh)
     os.replace(tmp, path)
 
 
@@ -846,7 +845,7 @@ def _blob_from_mark(path: str, digest: str) -> BlobRef | None:
             d = json.load(fh)
         if d.get("digest") != digest:
             return None
-        return BlobRef(d["registry"], d["repository"], digest, d.get("size"), bool(d.get("plain_http")))
-    except (OSError, ValueError, KeyError):
+        return BlobRef.from_dict(d)
+    except (OSError, ValueError, ShoalError):
         return None
 

@@ -21,12 +21,17 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 from shoal.errors import UsageError
+
+# The node's root (`shoal node --root`) when none is given; the other default places
+# are folders in it: the region's store (region/), the swarm's torrent storage (swarm/).
+DEFAULT_ROOT = "/var/lib/shoal"
 
 _SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -47,15 +52,15 @@ def parse_size(text: object) -> int:
     """"500G", "1.5M", "4096", 4096 -> bytes. ValueError otherwise."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    if not isinstance(text, str):
-        raise ValueError(text)
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in _SIZE_UNITS:
-        value = float(t[:-1]) * _SIZE_UNITS[t[-1]]
-        if not math.isfinite(value):
-            raise ValueError(text)
-        return int(value)
-    return int(t)
+    if isinstance(text, str):
+        t = text.strip().lower().removesuffix("ib").removesuffix("b")
+        if t and t[-1] in _SIZE_UNITS:
+            value = float(t[:-1]) * _SIZE_UNITS[t[-1]]
+            if not math.isfinite(value):
+                raise ValueError(text)
+            return int(value)
+        return int(t)
+    raise ValueError(text)  # (a bool or any other type is no size either)
 
 
 def url_check(schemes: tuple[str, ...] = ("http", "https"), empty: bool = True,
@@ -156,7 +161,7 @@ def _typed(value: object, hint: object, meta: dict | None, where: str, warnings:
         value = float(value)
     if hint in (int, float, str, bool) and type(value) is not hint:
         names = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
-        raise _fail(where, value, f"must be {names[hint]}")  # type: ignore[index]
+        raise _fail(where, value, f"must be {names[hint]}")
     if isinstance(value, float) and not math.isfinite(value):
         raise _fail(where, value, "must be a finite number")
     if meta:

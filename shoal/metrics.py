@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,10 +35,11 @@ def render(metrics: Iterable[Metric]) -> str:
     """The exposition text of `metrics`; a sample whose value is None is left out (a
     figure the service does not have, e.g. the size of an unbounded S3 bucket)."""
     lines = []
-    for name, kind, help_text, samples in metrics:
-        if not isinstance(samples, (list, tuple)):
-            samples = [({}, samples)]
-        samples = [(labels, v) for labels, v in samples if v is not None]
+    for name, kind, help_text, given in metrics:
+        # a value alone (not a list or tuple of samples) is one sample without labels
+        listed: Sequence[tuple[Mapping[str, str], float | int | None]] = (
+            given if isinstance(given, (list, tuple)) else [({}, cast("float | None", given))])
+        samples = [(labels, v) for labels, v in listed if v is not None]
         if not samples:
             continue
         lines.append(f"# HELP {name} {help_text.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}")

@@ -50,12 +50,11 @@ def layer_blobs(root: str) -> Callable[[str], BlobRef | None]:
     """The swarm control socket's resolve_layer (p2p.control.ResolveLayer): the blob of a
     layer this node provides, from ROOT/layers/<hex>/blob.json (snapshotter/remote.py
     writes it), or None."""
-    from p2p.control import blob_from_dict
 
     def resolve(layer: str) -> BlobRef | None:
         try:
             with open(os.path.join(root, "layers", layer, "blob.json")) as fh:
-                return blob_from_dict(json.load(fh))
+                return BlobRef.from_dict(json.load(fh))
         except FileNotFoundError:
             return None
 

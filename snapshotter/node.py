@@ -37,7 +37,6 @@ from snapshotter.snapshotter import RemoteLayers
 
 log = logging.getLogger("shoal.node")
 
-DEFAULT_ROOT = "/var/lib/shoal"
 DEFAULT_SOCKET = "/run/shoal/snapshotter.sock"
 
 

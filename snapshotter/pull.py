@@ -27,7 +27,7 @@ from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
 from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
-from cache.origin import is_loopback_host
+from cache.origin import use_plain_http
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
@@ -344,7 +344,7 @@ def image_ref(ref: str, plain_http: bool = False) -> tuple[str, DockerRef, bool]
     """(HOST/REPO[:TAG], the parsed reference, plain HTTP?) of a registry image reference
     (docker:// optional; plain HTTP when asked or for a loopback registry)."""
     parsed = parse_registry_ref(ref)
-    return ref.removeprefix("docker://"), parsed, plain_http or is_loopback_host(parsed.host)
+    return ref.removeprefix("docker://"), parsed, use_plain_http(parsed.host, asked=plain_http)
 
 
 def resolve_manifest(src: RegistrySource, ref: str, platform: str | None = None) -> tuple[Manifest, Manifest, dict | None]:

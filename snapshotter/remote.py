@@ -43,7 +43,7 @@ from builder.format.footer import (
     location_from_annotations,
 )
 from builder.format.toc import decompress_toc
-from cache.origin import is_loopback_host
+from cache.origin import use_plain_http
 from cache.source import BlobRef
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, check_digest, hex_of
@@ -114,7 +114,7 @@ class RemoteLayers:
         check_digest(digest, "layer digest label")
         parsed = parse_registry_ref(image, short_names=True)
         registry, repository = parsed.host, parsed.repository
-        plain = registry in self.config.get("plain_http_hosts", []) or is_loopback_host(registry)
+        plain = use_plain_http(registry, self.config.get("plain_http_hosts", []))
         size = int(labels[LABEL_LAYER_SIZE]) if labels.get(LABEL_LAYER_SIZE, "").isdigit() else None
         blob = BlobRef(registry, repository, digest, size, plain)
         desc = self._descriptor(blob, labels)
@@ -362,8 +362,7 @@ class RemoteLayers:
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(self.root, "layers"))
             with open(os.path.join(tmp, "toc.json"), "wb") as f:
                 f.write(toc_json)
-            meta = {"registry": blob.registry, "repository": blob.repository, "digest": blob.digest,
-                    "size": blob.size, "plain_http": blob.plain_http, "image": image}
+            meta = {**blob.to_dict(), "image": image}
             with open(os.path.join(tmp, "blob.json"), "w") as f:
                 json.dump(meta, f)
             try:

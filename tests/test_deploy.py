@@ -24,7 +24,8 @@ from builder.convert import convert
 from tests.lab.fromdir import ImageConfig, build_image
 from snapshotter.fs.client import FSClient
 from cli.install import containerd_minor
-from snapshotter.node import DEFAULT_ROOT, DEFAULT_SOCKET
+from shoal.config import DEFAULT_ROOT
+from snapshotter.node import DEFAULT_SOCKET
 from tests.fixtures_services import containerd_missing
 from tests.rootfs import busybox_layer
 from tests.services import (

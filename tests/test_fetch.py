@@ -127,3 +127,19 @@ def test_a_hung_source_costs_one_read_then_is_skipped_until_a_probe_answers():
         region.gate.set()
         origin.gate.set()
         chain.close()
+
+
+def test_blob_ref_round_trips_through_its_dict_and_refuses_bad_ones():
+    from shoal.errors import FormatError
+
+    digest = "sha256:" + "a" * 64
+    blob = BlobRef("127.0.0.1:5000", "lib/app", digest, 1234, True)
+    assert BlobRef.from_dict(blob.to_dict()) == blob
+    assert BlobRef.from_dict({**blob.to_dict(), "image": "x"}) == blob  # other keys (blob.json's image) ignored
+    assert BlobRef.from_dict({"registry": "r", "repository": "p", "digest": digest}) == BlobRef("r", "p", digest)
+    good = blob.to_dict()
+    for bad in ([], {**good, "digest": "sha256:abc"}, {**good, "size": -1}, {**good, "size": True},
+                {**good, "size": "12"}, {**good, "plain_http": "yes"}, {**good, "registry": ""},
+                {k: v for k, v in good.items() if k != "repository"}):
+        with pytest.raises(FormatError):
+            BlobRef.from_dict(bad)

@@ -273,8 +273,8 @@ def _message(resp: requests.Response) -> str:
 def _tls_reason(exc: BaseException) -> str:
     """The innermost TLS reason ("certificate verify failed: ...") of a requests error."""
     seen = exc
-    while seen.__context__ is not None or seen.__cause__ is not None:
-        seen = seen.__cause__ or seen.__context__
+    while (inner := seen.__cause__ or seen.__context__) is not None:
+        seen = inner
     text = str(seen)
     m = re.search(r"certificate verify failed: ([^(]*)", str(exc)) or re.search(r"certificate verify failed: ([^(]*)", text)
     return ("certificate verify failed: " + m.group(1).strip()) if m else (text or type(seen).__name__)[:200]

@@ -47,11 +47,12 @@ region with one line naming the key. An unknown key is a warning naming it.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder.oci.registry import is_loopback
-from shoal.config import host_port_check, limits, load, split_host_port, url_check
+from shoal.config import DEFAULT_ROOT, host_port_check, limits, load, split_host_port, url_check
 from shoal.errors import UsageError
 
 log = logging.getLogger("shoal.region")
@@ -92,7 +93,7 @@ class NodesConfig:
 class RegionConfig:
     listen: str = field(default="127.0.0.1:5080", metadata=limits(check=host_port_check))
     origin: str = field(default="", metadata=limits(check=url_check(path=False)))
-    store: str = "/var/lib/shoal/region"
+    store: str = os.path.join(DEFAULT_ROOT, "region")
     backend: str = field(default="disk", metadata=limits(choices=("disk", "s3")))
     origin_timeout: float = field(default=30.0, metadata=limits(min=0.1, max=3600))
     origin_verify_tls: bool = True

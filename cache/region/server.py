@@ -158,7 +158,7 @@ class AccessCache:
     def __init__(self, upstream: Upstream, ttl: float, negative_ttl: float, stats: dict) -> None:
         self._upstream, self._ttl, self._negative_ttl, self._stats = upstream, ttl, negative_ttl, stats
         self._access: dict[tuple[str, str], _Remembered] = {}
-        self._links: dict[tuple[str, str], tuple[float, int]] = {}
+        self._links: dict[tuple[str, str], tuple[float, int | None]] = {}
         self._inflight: dict[tuple[str, str, str], asyncio.Future] = {}
 
     async def check(self, repo: str, digest: str, authorization: str | None) -> int | None:
@@ -454,7 +454,7 @@ class RegionCache:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def statistics(self) -> dict:
-        out = dict(self.stats)
+        out: dict[str, object] = dict(self.stats)
         out["origin_requests"] = self.upstream.requests
         out["fills_running"] = len(self._fills)
         out["fill_readers"] = sum(f.readers for f in self._fills.values())
@@ -868,6 +868,7 @@ class RegionCache:
         if fill.error is not None:
             raise fill.error
         size = fill.size
+        assert size is not None  # (what the wait above waited for)
         span = parse_range(request.headers.get("Range"), size)
         start, end = span or (0, size)
         ahead = span is not None  # a whole blob is the fill's alone: checked before its last byte

@@ -26,8 +26,12 @@ import secrets
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:  # cryptography is imported where it is used: the region may run without it
+    from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 
 TOKEN_HEADER = "X-Shoal-Node-Token"  # the region's node token, on swarm calls and bad-bytes reports
 _CA_DAYS = 3650
@@ -59,10 +63,10 @@ def names_for(host: str, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     if host in ("0.0.0.0", "::", ""):
         out = ["localhost", "127.0.0.1", "::1", socket.gethostname()]
         try:
-            out += [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)]
+            out += [str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None)]
         except OSError:
             pass
-    out += list(extra)
+    out += [str(n) for n in extra]
     seen: list[str] = []
     for n in out:
         n = n.strip("[]")
@@ -111,13 +115,11 @@ class PeerCA:
         if not (os.path.exists(self.cert_path) and os.path.exists(key_path)):
             _make_ca(self.cert_path, key_path, "shoal swarm CA")
         from cryptography import x509
-        from cryptography.hazmat.primitives import serialization
 
         with open(self.cert_path, "rb") as fh:
             self.pem = fh.read()
         self._cert = x509.load_pem_x509_certificate(self.pem)
-        with open(key_path, "rb") as fh:
-            self._key = serialization.load_pem_private_key(fh.read(), None)
+        self._key = _ca_key(key_path)
         self.ttl = ttl
         self.issued = 0
 
@@ -243,8 +245,7 @@ def _make_server(ca_pem: str, ca_key: str, cert_path: str, key_path: str, names:
 
     with open(ca_pem, "rb") as fh:
         ca = x509.load_pem_x509_certificate(fh.read())
-    with open(ca_key, "rb") as fh:
-        ca_private = serialization.load_pem_private_key(fh.read(), None)
+    ca_private = _ca_key(ca_key)
     sans: list[x509.GeneralName] = []
     for n in names:
         try:
@@ -267,6 +268,19 @@ def _make_server(ca_pem: str, ca_key: str, cert_path: str, key_path: str, names:
             .sign(ca_private, hashes.SHA256()))
     _write(key_path, _key_pem(key), 0o600)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def _ca_key(path: str) -> CertificateIssuerPrivateKeyTypes:
+    """The CA's private key in `path` (PEM): one of the kinds that sign certificates."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+
+    with open(path, "rb") as fh:
+        key = serialization.load_pem_private_key(fh.read(), None)
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey, ed25519.Ed25519PrivateKey,
+                            ed448.Ed448PrivateKey, dsa.DSAPrivateKey)):
+        raise ShoalError(f"{path}: a {type(key).__name__} cannot sign certificates")
+    return key
 
 
 def _expiring(cert_path: str) -> bool:

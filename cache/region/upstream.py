@@ -69,7 +69,7 @@ class Upstream:
         self.requests = 0  # every request sent to the origin (and its token server)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=256, ssl=None if self._verify_tls else False)
+        connector = aiohttp.TCPConnector(limit=256, ssl=self._verify_tls)  # True: the default checks
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=self._timeout, auto_decompress=False,
             headers={"User-Agent": "shoal-region"},
@@ -118,7 +118,12 @@ class Upstream:
         if authorization:
             headers = {**headers, "Authorization": authorization}
         self.requests += 1
-        return await self._session.request(method, self.url + path, headers=headers, allow_redirects=True)
+        return await self._started().request(method, self.url + path, headers=headers, allow_redirects=True)
+
+    def _started(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the origin client is not started (start() first)")
+        return self._session
 
     def _cached_token(self, key: str, scope: str) -> str | None:
         entry = self._tokens.get((key, scope))
@@ -137,7 +142,7 @@ class Upstream:
         if authorization and authorization.lower().startswith("basic "):
             headers["Authorization"] = authorization
         self.requests += 1
-        async with self._session.get(url, headers=headers) as resp:
+        async with self._started().get(url, headers=headers) as resp:
             body = await resp.content.read(1 << 20)
             if resp.status != 200:
                 raise Denied(resp.status, "", f"token server answered HTTP {resp.status}")

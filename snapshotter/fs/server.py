@@ -149,8 +149,7 @@ class LayerFS(pyfuse3.Operations):
         d = layer_dir(self.root, layer_id)
         with open(os.path.join(d, "blob.json")) as f:
             meta = json.load(f)
-        blob = BlobRef(meta["registry"], meta["repository"], meta["digest"], meta.get("size"),
-                       bool(meta.get("plain_http")))
+        blob = BlobRef.from_dict(meta)
         with open(os.path.join(d, "toc.json"), "rb") as f:
             toc = parse_toc(f.read(), blob.size)
         name = f"layer {blob.digest} of {meta.get('image', '?')}"

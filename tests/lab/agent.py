@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cache.source import BlobRef
-from p2p.control import Control, blob_from_dict
+from p2p.control import Control
 from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.agent")
@@ -45,7 +45,7 @@ class Agent(Control):
         op = req.get("op")
         if op not in ("read", "read_all", "fetch_direct"):
             return super().handle(req)
-        blob = blob_from_dict(req["blob"])
+        blob = BlobRef.from_dict(req["blob"])
         start = time.monotonic()
         if op == "read":
             datas = self.chain.read_ranges(blob, [tuple(r) for r in req["ranges"]])

@@ -29,6 +29,7 @@ import abc
 import hashlib
 import os
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from shoal.errors import DigestMismatch, NotFound, ShoalError
 
@@ -45,6 +46,17 @@ class InvalidRange(BackendError):
     """A range that is not inside the blob."""
 
 
+class BlobStream(Protocol):
+    """What Backend.stream() returns: the range's bytes in pieces; close() releases the
+    blob for eviction (idempotent; exhausting the stream releases it too)."""
+
+    def __iter__(self) -> Iterator[bytes]: ...
+
+    def __next__(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
 class Backend(abc.ABC):
     """Whole blobs by digest, with range reads (see the module contract)."""
 
@@ -55,7 +67,7 @@ class Backend(abc.ABC):
         """The blob's size in bytes; BlobNotFound if missing."""
 
     @abc.abstractmethod
-    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> Iterator[bytes]:
+    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> BlobStream:
         """Bytes [start, end) (end None: to the end) in pieces of at most `block` bytes.
 
         BlobNotFound and InvalidRange are raised by this call, before iteration; the

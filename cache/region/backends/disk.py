@@ -9,13 +9,13 @@ reads cannot verify a blob, so a power loss must not leave a damaged blob under 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 from cache.content import ContentDir
 from cache.region.backends import (
     Backend,
     BackendError,
     BlobNotFound,
+    BlobStream,
     check_range,
     register,
 )
@@ -69,7 +69,7 @@ class DiskBackend(Backend):
         except FileNotFoundError:
             raise BlobNotFound(f"disk backend: blob {digest} not found") from None
 
-    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> Iterator[bytes]:
+    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> BlobStream:
         check_digest(digest)
         guard = self._dir.reading(digest)
         guard.__enter__()

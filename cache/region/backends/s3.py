@@ -18,7 +18,7 @@ import contextlib
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from cache.content import process_start
@@ -26,6 +26,7 @@ from cache.region.backends import (
     Backend,
     BackendError,
     BlobNotFound,
+    BlobStream,
     check_range,
     register,
 )
@@ -41,6 +42,10 @@ def _boto():
     import botocore.exceptions
 
     return boto3, botocore.config, botocore.exceptions
+
+
+def _nothing() -> Generator[bytes, None, None]:
+    yield from ()
 
 
 class _BodyStream:
@@ -162,7 +167,7 @@ class S3Backend(Backend):
             pass
         except self._errors.BotoCoreError as exc:
             raise self._fail(exc, None, "head bucket") from None
-        kwargs = {"Bucket": self.bucket}
+        kwargs: dict[str, object] = {"Bucket": self.bucket}
         if region and region != "us-east-1":
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
         try:
@@ -195,11 +200,13 @@ class S3Backend(Backend):
                 self._used += size
 
     def _reserve(self, digest: str, size: int) -> bool:
-        """Make room for `size` bytes (evicting LRU objects) and count them as used."""
+        """Make room for `size` bytes (evicting LRU objects) and count them as used.
+        Called only with a capacity."""
+        capacity = self.capacity or 0
         with self._lock:
-            if size > self.capacity:
+            if size > capacity:
                 return False
-            need, freed, victims = self._used + size - self.capacity, 0, []
+            need, freed, victims = self._used + size - capacity, 0, []
             if need > 0:
                 for d, s in self._lru.items():
                     if self._reading[d] or d == digest:
@@ -236,7 +243,7 @@ class S3Backend(Backend):
         self._touch(digest, size)
         return size
 
-    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> Iterator[bytes]:
+    def stream(self, digest: str, start: int = 0, end: int | None = None, block: int = 1 << 20) -> BlobStream:
         size = self.size(digest)
         end = check_range(digest, size, start, end)
         with self._lock:
@@ -250,7 +257,7 @@ class S3Backend(Backend):
 
         if start == end:
             release()
-            return iter(())
+            return _nothing()
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self._key(digest), Range=f"bytes={start}-{end - 1}")
         except (self._errors.ClientError, self._errors.BotoCoreError) as exc:
