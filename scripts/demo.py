@@ -14,9 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.lab.fromdir import ImageConfig, build_image  # noqa: E402
-from tests.rootfs import busybox_layer, delta_layer, python_layer  # noqa: E402
-from tests.services import shoal_node_with_containerd, start_registry  # noqa: E402
+from tests.lab.fromdir import ImageConfig, build_image
+from tests.rootfs import busybox_layer, delta_layer, python_layer
+from tests.services import shoal_node_with_containerd, start_registry
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 

@@ -25,9 +25,9 @@ import pytest
 
 from builder.convert import convert
 from builder.oci.base import Manifest
-from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_destination, open_source
 from tests.fixtures_services import containerd_missing
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
 from tests.services import SHOAL, shoal_node_with_containerd, wait_for
 
@@ -145,7 +145,7 @@ def cri_node(node_factory, node_config: str = ""):
 
 def shoal_pull(ref: str, ctd, namespace: str = "shoal-test") -> subprocess.CompletedProcess:
     return subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", namespace, "--json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def run(ctd, ref: str, cid: str, namespace: str = "shoal-test") -> subprocess.CompletedProcess:
@@ -154,7 +154,7 @@ def run(ctd, ref: str, cid: str, namespace: str = "shoal-test") -> subprocess.Co
 
 
 def status(node) -> dict:
-    proc = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], capture_output=True, text=True)
+    proc = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -242,7 +242,7 @@ def test_lazy_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
     """The kubelet's whole path: PullImage, RunPodSandbox, CreateContainer, StartContainer."""
     from tests.cri import CRIError
 
-    with cri_node(node_factory, GATE) as (node, ctd, cri):
+    with cri_node(node_factory, GATE) as (node, _ctd, cri):
         cri.pull_image(images["attacker-lazy"])
         cri.pull_image(images["victim-lazy"])
         chain = _chains(images["victim-lazy"])[-1]
@@ -279,7 +279,7 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
 
             s = wait_for(decided, "the background proofs", timeout=120, interval=0.5)
             assert [ly["proof"] for ly in s["lazy_layers"] if ly["digest"] == layer] == ["bad"]
-            text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True).stdout
+            text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True, check=False).stdout
             assert f"BAD chain {top}" in text
             from cli.pull_status import node_metrics
 
@@ -357,7 +357,7 @@ def test_a_legitimate_share_of_one_diff_id_by_gzip_and_lazy_images_works(images,
 
 
 def test_a_legitimate_share_through_a_cri_pod(images, node_factory, tmp_path):
-    with cri_node(node_factory, GATE) as (node, ctd, cri):
+    with cri_node(node_factory, GATE) as (node, _ctd, cri):
         cri.pull_image(images["victim-lazy"])
         cri.pull_image(images["victim-gzip"])
         assert cri.run(images["victim-gzip"], CMD, str(tmp_path), "share-g") == VICTIM
@@ -370,7 +370,7 @@ def test_a_legitimate_share_through_a_cri_pod(images, node_factory, tmp_path):
 
 
 def test_gzip_poisoning_through_shoal_pull(images, node_factory):
-    with node_factory() as (node, ctd):
+    with node_factory() as (_node, ctd):
         attacker = shoal_pull(images["attacker-gzip"], ctd)
         if attacker.returncode != 0:
             assert "diff_id" in one_line(attacker.stderr)
@@ -384,7 +384,7 @@ def test_gzip_poisoning_through_shoal_pull(images, node_factory):
 def test_gzip_poisoning_through_a_cri_pod(images, node_factory, tmp_path):
     from tests.cri import CRIError
 
-    with cri_node(node_factory) as (node, ctd, cri):
+    with cri_node(node_factory) as (_node, _ctd, cri):
         try:
             cri.pull_image(images["attacker-gzip"])
         except CRIError as e:
@@ -496,7 +496,7 @@ def test_layer_annotations_cannot_redirect_the_node(images, registry, node_facto
         d.put_root(Manifest(manifest, root.media_type, _sha256(manifest)))
     assert json.loads(config)["rootfs"]["diff_ids"][-1] == _chains_diff_ids(images["victim-lazy"])[-1]
     before = registry.count("GET", "/v2/poison/private/")
-    with cri_node(node_factory, GATE) as (node, ctd, cri):
+    with cri_node(node_factory, GATE) as (_node, ctd, cri):
         cri.pull_image(tenant)
         proc = run(ctd, tenant, "redirect-t", namespace=CRI_NS)
         assert VICTIM not in proc.stdout, "the node served another repository's layer to the tenant"

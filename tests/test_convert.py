@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.fromdir import ImageConfig, build_image
 from shoal import mediatypes as mt
 from tests.imagetools import make_docker_archive, make_image, make_index, make_tar, sha256, write_layout
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, delta_layer, python_layer
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 
 
 def shoal(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([SHOAL, *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([SHOAL, *args], capture_output=True, text=True, env=env, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"shoal {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
     return proc

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from tests.lab.fromdir import ImageConfig, build_image
-from snapshotter.fs.client import FSClient
 from cli.install import containerd_minor
 from shoal.config import DEFAULT_ROOT
+from snapshotter.fs.client import FSClient
 from snapshotter.node import DEFAULT_SOCKET
 from tests.fixtures_services import containerd_missing
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
 from tests.services import (
     CONTAINERD_BIN,

@@ -15,6 +15,7 @@ import subprocess
 import tarfile
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -123,7 +124,7 @@ def _layout(path: Path, image: Image) -> None:
 
 
 def _one_line_failure(argv: list[str], want: str) -> str:
-    proc = subprocess.run([SHOAL, *argv], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([SHOAL, *argv], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1, (argv, proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -146,7 +147,7 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
     """A registry that serves whatever documents it was given."""
 
     root: tuple[bytes, str] = (b"", "")
-    blobs: dict[str, bytes] = {}
+    blobs: ClassVar[dict[str, bytes]] = {}
 
     def log_message(self, *args) -> None:
         pass
@@ -176,10 +177,10 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
             return None
         return self._send(body, mt.OCI_MANIFEST if kind == "manifests" else "application/octet-stream", head)
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+    def do_GET(self) -> None:
         self._serve(head=False)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve(head=True)
 
 

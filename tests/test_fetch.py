@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from cache.loader import WriteBehind
 from cache.memory import ChunkMemory
 from cache.source import BlobRef, FetchChain, Source
 from cache.store import ChunkStore
 from shoal.errors import TransportError
-from cache.loader import WriteBehind
 
 
 def chunk(i: int, size: int = 1000) -> tuple[str, bytes]:

@@ -39,14 +39,14 @@ def torch_in_registry(tmp_path_factory):
 
 def test_import_torch_from_a_lazy_image(torch_in_registry):
     registry, ref, manifest = torch_in_registry
-    with shoal_node_with_containerd("shoal-torch-") as (node, ctd):
+    with shoal_node_with_containerd("shoal-torch-") as (_node, ctd):
 
         def fetched() -> int:
             return sum(registry.count("GET", ly["digest"])[1] for ly in manifest["layers"])
 
         start = fetched()
         pull = subprocess.run([SHOAL, "pull", ref, "--address", ctd.address, "--namespace", "shoal-test", "--json"],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, check=False)
         assert pull.returncode == 0, pull.stderr
         assert [ly["kind"] for ly in json.loads(pull.stdout)["layers"]] == ["lazy", "lazy"]
         out = ctd.ctr("run", "--rm", "--snapshotter", "shoal", ref, "torch-1", *torchimage.CMD, timeout=600).stdout

@@ -9,6 +9,7 @@ import threading
 from functools import partial
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -388,9 +389,9 @@ class _Flaky(BaseHTTPRequestHandler):
 
     failures = 0
     manifest = b""
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server API)
+    def do_GET(self) -> None:
         type(self).seen.append(self.path)
         if len(self.seen) <= self.failures:
             self.send_response(503)
@@ -434,9 +435,9 @@ def test_5xx_is_retried_three_times_in_all(image, failures, ok):
 
 def test_basic_auth_registry(basic_registry, docker_config, layout, image, tmp_path):
     ref = f"docker://{basic_registry.host}/private/img:v1"
-    with open_source(f"oci:{layout}:v1") as src, open_destination(ref, plain_http=True) as dst:
-        with pytest.raises(TransportError) as err:
-            copy_image(src, dst, tmp_path)
+    with open_source(f"oci:{layout}:v1") as src, open_destination(ref, plain_http=True) as dst, \
+            pytest.raises(TransportError) as err:
+        copy_image(src, dst, tmp_path)
     text = one_line(err.value)
     assert "HTTP 401" in text and f"no credentials for {basic_registry.host}" in text
 

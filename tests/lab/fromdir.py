@@ -41,7 +41,7 @@ def tar_folder(folder: str, out_path: str) -> None:
         "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
         "--mtime=@1704067200", "--clamp-mtime", "-C", folder, "-cf", out_path, ".",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ShoalError(f"tar of {folder} failed: {proc.stderr.strip().splitlines()[-1:]}")
 
