@@ -41,6 +41,7 @@ from pathlib import Path
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
 from snapshotter.chainproof import ChainProofs, ProofConfig, chain_id_of
+from snapshotter.filters import parse_filters
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     LABEL_LAYER_KIND,
@@ -54,7 +55,6 @@ from snapshotter.snapshotter import (
     RemoteLayer,
     RemoteLayers,
     Usage,
-    parse_filters,
 )
 
 log = logging.getLogger("shoal.snapshotter")
@@ -139,11 +139,12 @@ class LocalSnapshotter:
             log.warning("%d remote layers in the metadata but no remote layer provider: mounts using them will fail",
                         len(remote))
             return
-        if hasattr(self._remote, "sweep"):
-            try:
-                self._remote.sweep({rec.layer_path for rec in remote})
-            except Exception as e:  # noqa: BLE001 (leftovers cost disk, not correctness)
-                log.error("cannot sweep remote layers no snapshot uses: %s", e)
+        if self._remote is None:
+            return
+        try:
+            self._remote.sweep({rec.layer_path for rec in remote if rec.layer_path})
+        except Exception as e:  # noqa: BLE001 (leftovers cost disk, not correctness)
+            log.error("cannot sweep remote layers no snapshot uses: %s", e)
         for rec in remote:
             try:
                 self._remote.restore(rec.layer_path, dict(rec.labels))

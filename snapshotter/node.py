@@ -174,7 +174,7 @@ class Node:
             self._lock_root()
             self.snapshotter = LocalSnapshotter(self.root, remote=self.remote, proofs=self.config.proofs())
             self.snapshotter.recover()
-            if self.remote is not None and hasattr(self.remote, "start"):
+            if self.remote is not None:
                 self.remote.start()
             self._server = SnapshotsServer(self.snapshotter, self.socket, self.config.snapshotter.grpc_threads)
             self._server.start()
@@ -211,7 +211,7 @@ class Node:
         if self.snapshotter is not None:
             self.snapshotter.close()
             self.snapshotter = None
-        if self.remote is not None and hasattr(self.remote, "stop_if_idle"):
+        if self.remote is not None:
             self.remote.stop_if_idle()
         if self._lock_fd is not None:
             os.close(self._lock_fd)

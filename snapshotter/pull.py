@@ -38,7 +38,7 @@ from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
 from snapshotter.chainproof import LABEL_GATE
-from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN
+from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN, layer_kind
 
 log = logging.getLogger("shoal.pull")
 
@@ -278,7 +278,7 @@ def _check_present(ctr: _Containerd, snapshotter: str, name: str, layer: dict, c
                          f"{labels.get(remote.LABEL_LAYER_DIGEST, '?')}: its content is diff_id "
                          f"{labels.get(LABEL_DIFF_ID, '?')}); it is removed once no container uses it")
     provided_from = labels.get(remote.LABEL_LAYER_DIGEST) or labels.get(remote.LABEL_CRI_LAYER_DIGEST)
-    lazy = labels.get(remote.LABEL_KIND) == "lazy"
+    lazy = layer_kind(labels) == "lazy"
     if not lazy or labels.get(LABEL_PROOF) == PROVEN or provided_from in (None, layer["digest"]):
         return True
     log.info("%s: chain %s was provided from layer %s: waiting for its proof", what, chain, provided_from)

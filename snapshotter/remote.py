@@ -74,7 +74,6 @@ LABEL_LAYER_SIZE = _P + "layer-size"
 LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
-LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
 
 
 def parse_image_ref(ref: str) -> tuple[str, str]:
@@ -143,7 +142,7 @@ class RemoteLayers:
                 kind = "unpacked"
                 info.update({LABEL_DIFF_ID: diff_id, LABEL_PROOF: PROVEN})
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
-        return RemoteLayer(path, kind, {**info, LABEL_KIND: kind}, digest=digest)
+        return RemoteLayer(path, kind, info, digest=digest)  # the snapshotter labels the kind (LABEL_LAYER_KIND)
 
     # --- warm-up of an image's other layers ---------------------------------------------------
 
