@@ -12,9 +12,10 @@ statistics() of the returned chain keeps FetchChain's shape ({source: counters})
 bytes of both paths added up per source, plus a "swarm" entry carrying the swarm's
 figures (bytes from peers, local storage and fallback, uploads, peers connected).
 
-With `config["root"]` (a node's root), the chain also serves ROOT/swarm.sock
-(p2p/control.py): the bulk path (download a layer's whole blob through the swarm) for
-prefetch hooks and tests, in the process that owns the swarm.
+The chain exposes its swarm's control ops (`control`, p2p/control.py: the bulk path,
+download a layer's whole blob through the swarm, for prefetch hooks and tests, and the
+figures), which the node's control socket serves (snapshotter/fs/control.py), in the
+process that owns the swarm; with `config["root"]`, `download` takes a layer of ROOT.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from dataclasses import dataclass, field
 
 from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
-from p2p.control import SOCKET_NAME, Control
+from p2p.control import Control
 from p2p.swarm import Swarm, SwarmConfig, SwarmSource
 from p2p.tracker.client import MetadataClient
 from shoal.errors import ShoalError
-from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.swarm")
 
@@ -42,7 +42,7 @@ class SwarmChain(FetchChain):
 
     swarm: Swarm | None = None
     fallback: FetchChain | None = None
-    control: ControlServer | None = None
+    control: Control | None = None
     _closed: bool = field(default=False, repr=False)
 
     def statistics(self) -> dict[str, dict]:
@@ -60,8 +60,6 @@ class SwarmChain(FetchChain):
         if self._closed:
             return
         self._closed = True
-        if self.control is not None:
-            self.control.close()
         super().close()  # closes the swarm source (and so the session) and the others
 
 
@@ -90,10 +88,5 @@ def swarm_chain(sources: list[Source], config: dict) -> FetchChain:
         return FetchChain(list(sources))
     chain = SwarmChain([SwarmSource(swarm), *sources], swarm=swarm, fallback=fallback)
     root = config.get("root")
-    if root:
-        try:
-            control = Control(chain, os.path.join(root, "layers"))
-            chain.control = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
-        except OSError as exc:
-            log.error("swarm control socket in %s: %s", root, exc)
+    chain.control = Control(chain, os.path.join(root, "layers") if root else None)
     return chain

@@ -120,7 +120,7 @@ class _FilterParser:
     def quoted(self) -> str:
         quote = self.text[self.pos]
         self.pos += 1
-        out = []
+        out: list[str] = []
         while True:
             if self.pos >= len(self.text) or self.text[self.pos] == "\n":
                 raise self.fail("quoted literal not terminated")
@@ -176,7 +176,7 @@ def _matches(selectors: list[_Selector], info: Info) -> bool:
         elif s.op == _NE:
             ok = value != s.value
         else:
-            ok = s.regex.search(value) is not None
+            ok = s.regex is not None and s.regex.search(value) is not None
         if not ok:
             return False
     return True

@@ -147,7 +147,7 @@ class LocalSnapshotter:
             log.error("cannot sweep remote layers no snapshot uses: %s", e)
         for rec in remote:
             try:
-                self._remote.restore(rec.layer_path, dict(rec.labels))
+                self._remote.restore(rec.layer_path or "", dict(rec.labels))
                 log.info("restored %s layer %s at %s", rec.layer_kind, rec.key, rec.layer_path)
             except Exception as e:  # noqa: BLE001 (one bad layer must not keep the node from serving the rest)
                 log.error("cannot restore %s layer %s at %s: %s", rec.layer_kind, rec.key, rec.layer_path, e)
@@ -348,6 +348,8 @@ class LocalSnapshotter:
         """Ask RemoteLayers for the layer `target`; if it provides one, commit it as
         `target` and raise AlreadyExists (the remote-snapshotter protocol). Returns when
         the Prepare should go on as an ordinary one."""
+        if self._remote is None:  # (prepare asks only with a provider)
+            return
         with self._target_lock(target):
             with self._db.read() as tx:
                 parent_rec = tx.check_new(Kind.ACTIVE, key, parent)
@@ -386,7 +388,7 @@ class LocalSnapshotter:
         raise AlreadyExists(f"target snapshot {target!r} provided as a {layer.kind} layer")
 
     def _release(self, rec: Record) -> None:
-        layer = RemoteLayer(path=rec.layer_path, kind=rec.layer_kind or "", info_labels=dict(rec.labels),
+        layer = RemoteLayer(path=rec.layer_path or "", kind=rec.layer_kind or "", info_labels=dict(rec.labels),
                             usage=rec.usage)
         if self._remote is None:
             log.warning("removed %s layer %s at %s, but no remote layer provider is configured to release it",
@@ -395,6 +397,8 @@ class LocalSnapshotter:
         self._release_layer(layer, rec.key)
 
     def _release_layer(self, layer: RemoteLayer, name: str) -> None:
+        if self._remote is None:
+            return
         try:
             self._remote.release(layer)
         except Exception as e:  # noqa: BLE001 (the snapshot is gone either way: log, go on)

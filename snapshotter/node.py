@@ -22,6 +22,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shoal.config import (
     host_port_check,
@@ -34,6 +35,10 @@ from shoal.config import (
 from shoal.errors import ShoalError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
+
+if TYPE_CHECKING:  # (imported when the node starts: gRPC is heavy)
+    from snapshotter.grpc_server import SnapshotsServer
+    from snapshotter.local import LocalSnapshotter
 
 log = logging.getLogger("shoal.node")
 
@@ -154,8 +159,8 @@ class Node:
         self.socket = Path(os.path.abspath(socket))
         self.config = config or NodeConfig()
         self.remote = remote
-        self.snapshotter = None
-        self._server = None
+        self.snapshotter: LocalSnapshotter | None = None
+        self._server: SnapshotsServer | None = None
         self._metrics = None
         self._lock_fd: int | None = None
         self._ready = False
@@ -238,10 +243,10 @@ def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
     answers on ROOT/fs.sock; 503 naming what does not)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from shoal.metrics import CONTENT_TYPE
-    from cli.pull_status import node_metrics, node_status
-    from snapshotter.fs.client import FSClient
     from cli.install import socket_answers
+    from cli.pull_status import node_metrics, node_status
+    from shoal.metrics import CONTENT_TYPE
+    from snapshotter.fs.client import FSClient
 
     def readiness() -> str:
         if not socket_answers(grpc_socket, timeout=2):

@@ -257,7 +257,7 @@ def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str) -> di
         remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
         remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
     }
-    ann = layer.get("annotations")
+    ann = layer.get("annotations") or {}
     loc = location_from_annotations(ann)
     if loc is not None:
         labels[remote.LABEL_TOC_POSITION] = (
@@ -317,19 +317,6 @@ def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_dige
         log.info("%s: %s", what, kind)
         pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
     return pulled
-
-
-def provide_layers(address: str, name: str, manifest_digest: str, layers: list[dict], diff_ids: list[str],
-                   snapshotter: str = "shoal") -> list[PulledLayer]:
-    """Have the snapshotter behind `address` provide an image's layers (what `shoal pull`
-    does without the content, image and lease records). `address` may be a shoal node's
-    own socket, which serves the same Snapshots API: tests and tools use a node without
-    containerd this way. `name` is HOST/REPO[:TAG], `layers` the manifest's descriptors."""
-    ctr = _Containerd(address, "default")
-    try:
-        return _provide_layers(ctr, snapshotter, name, manifest_digest, layers, chain_ids(diff_ids))
-    finally:
-        ctr.close()
 
 
 def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: str) -> tuple[Manifest, dict | None]:

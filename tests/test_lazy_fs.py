@@ -461,7 +461,7 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
         return out
 
     want = read_all(mounts_a)
-    trace = layers_a.fs.call("profile")["chunks"]
+    trace = layers_a.fs.profile()
     assert trace and trace[0][0] == manifest["layers"][1]["digest"]  # python3.11 was read first
     assert len({(d, a) for d, a, _ in trace}) == len(trace)  # each chunk once
 
@@ -506,7 +506,8 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
     ranges are not chunks of the layer prefetches nothing."""
     import logging
 
-    from prefetch.profile import Profile, fetch_profile, push_profile, push_profile_bytes
+    from prefetch.profile import Profile, fetch_profile, push_profile
+    from tests.lab.provide import push_profile_bytes
     from shoal.errors import FormatError
 
     registry, ref, manifest, _ = image
@@ -577,7 +578,7 @@ def test_a_profile_is_bounded_and_bound_to_its_manifest(image, node, tmp_path, c
     mounts_a = _prepare_image(layers_a, ref, manifest, digest)
     (mounts_a[1] / "usr/bin/python3.11").read_bytes()
     (mounts_a[0] / "bin/busybox").read_bytes()
-    trace = [tuple(c) for c in layers_a.fs.call("profile")["chunks"]]
+    trace = [tuple(c) for c in layers_a.fs.profile()]
     assert len(trace) >= 4
 
     # every range twice: published as it is, read back with each range once, in order

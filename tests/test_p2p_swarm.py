@@ -6,7 +6,7 @@ bridge. Addresses are 192.0.2.0/24 (TEST-NET-1) and exist only inside these name
 (tests/lab/netlab.py).
 
 A layer reaches a node as containerd hands it over: a Prepare with the remote-snapshot
-labels on the node's socket (snapshotter.pull.provide_layers). The test then reads the
+labels on the node's socket (tests/lab/provide.py provide_layers). The test then reads the
 layer's files through the node's FUSE mount (ROOT/mnt/<hex>: processes enter only the
 namespace's network, so the mounts are the test's too), which is the on-demand path, or
 asks the node's swarm control socket for the whole blob (the bulk path).
