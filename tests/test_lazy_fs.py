@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import open_source
 from builder.zstdchunked import MANIFEST_CHECKSUM, MANIFEST_POSITION
 from shoal.errors import DigestMismatch
 from snapshotter import remote
 from snapshotter.remote import RemoteLayers
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, delta_layer, python_layer, special_layer
 from tests.services import start_registry, wait_for
 
@@ -507,8 +507,8 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
     import logging
 
     from prefetch.profile import Profile, fetch_profile, push_profile
-    from tests.lab.provide import push_profile_bytes
     from shoal.errors import FormatError
+    from tests.lab.provide import push_profile_bytes
 
     registry, ref, manifest, _ = image
     digest = _manifest_digest(ref)
@@ -650,10 +650,10 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
     from builder.oci.refs import DockerRef
     from builder.oci.registry import RegistrySource
     from builder.zstdchunked import decompress_toc, location_from_annotations, parse_toc
+    from cache.loader import Unfetched
     from cache.source import BlobRef
     from shoal.errors import ShoalError
     from snapshotter.assemble import make_data_path
-    from cache.loader import Unfetched
 
     registry, ref, manifest, _ = image
     host, repo = ref.split("/", 1)

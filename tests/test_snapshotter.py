@@ -34,13 +34,14 @@ from pathlib import Path
 import pytest
 
 from shoal.errors import ShoalError
+from snapshotter.filters import parse_filters
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
     LABEL_LAYER_DIGEST,
     LABEL_LAYER_KIND,
     LABEL_PROOF,
-    OLD_LABEL_LAYER_KIND,
     LABEL_SNAPSHOT_REF,
+    OLD_LABEL_LAYER_KIND,
     AlreadyExists,
     FailedPrecondition,
     Info,
@@ -52,7 +53,6 @@ from snapshotter.snapshotter import (
     Usage,
     layer_kind,
 )
-from snapshotter.filters import parse_filters
 
 grpc = pytest.importorskip("grpc", reason="the node dependencies are not installed (pip install '.[node]')")
 pytest.importorskip("containerd", reason="the node dependencies are not installed (pip install '.[node]')")
@@ -894,9 +894,9 @@ def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, 
     `ctr image pull` unpacks without the remote labels (rootfs.ApplyLayers), so the
     unpacker's labelled Prepare (client.Pull / CRI / `shoal pull`) is sent to containerd's
     own Snapshots API here, as containerd's unpacker.go sends it."""
-    from tests.lab.fromdir import ImageConfig, build_image
     from builder.oci.refs import open_source
     from snapshotter.node import Node
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import busybox_layer, delta_layer
 
     trees = tmp_path_factory.mktemp("trees")

@@ -553,7 +553,7 @@ def _toml(tables: dict[str, dict]) -> str:
 @dataclass
 class LabNode:
     """A `shoal node` in a node namespace (start_nodes): its gRPC socket, root (the layer
-    file system mounts at ROOT/mnt/<hex>), swarm control socket and figures."""
+    file system mounts at ROOT/mnt/<hex>), control socket (ROOT/fs.sock) and figures."""
 
     host: Host
     proc: subprocess.Popen
