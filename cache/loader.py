@@ -248,6 +248,12 @@ class NodeChunkLoader:
         self._order = [unique[k] for k in sorted(unique)]
         self._position = {c.start: i for i, c in enumerate(self._order)}
 
+    def statistics(self) -> dict:
+        """This layer's figures (`shoal status` shows them per layer)."""
+        return {"fetched_chunks": self.fetched_chunks, "fetched_bytes": self.fetched_bytes,
+                "readahead_chunks": self.readahead_chunks, "prefetched_chunks": self.prefetched_chunks,
+                "fetch_seconds": self.fetch_seconds, "decode_seconds": self.decode_seconds}
+
     def layout(self) -> list[Chunk]:
         """Every chunk of the layer with content, once, in blob order (set_layout)."""
         return list(self._order)

@@ -42,7 +42,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from snapshotter.remote import RemoteLayers
 
     data_path = asdict(config.fetch)
-    data_path["root"] = os.path.abspath(args.root)  # the swarm's control socket: ROOT/swarm.sock
+    data_path["root"] = os.path.abspath(args.root)  # the swarm's `download` takes layers of ROOT
     if config.swarm:
         from p2p.config import SwarmConfig
 

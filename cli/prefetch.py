@@ -76,7 +76,7 @@ def cmd_save(args: argparse.Namespace) -> int:
     fs = FSClient(args.root)
     if not fs.running():
         raise ShoalError(f"no layer file system runs at {args.root}: run the image on that node first")
-    chunks = fs.call("profile", layers=layers)["chunks"]
+    chunks = fs.profile(layers)
     if not chunks:
         raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
                          "start a container of it there first")
@@ -109,8 +109,8 @@ def _interrupt_on_sigterm() -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from prefetch.profile import Profile, fetch_profile
     from builder.format.footer import location_from_annotations
+    from prefetch.profile import Profile, fetch_profile
     from snapshotter.embedded import EmbeddedNode
 
     if not args.push and not args.out:
@@ -130,7 +130,9 @@ def cmd_record(args: argparse.Namespace) -> int:
         if code not in (0, None):
             raise ShoalError(f"{image}: the recorded command exited with status {code}, profile not published "
                              f"(its last line: {node.container_log()})")
-        chunks = node.fs.call("profile", layers=layers)["chunks"]
+        if node.fs is None:
+            raise ShoalError(f"{image}: the embedded node has no layer file system")
+        chunks = node.fs.profile(layers)
     if not chunks:
         raise ShoalError(f"{image}: its start read nothing of its lazy layers: nothing to record")
     profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks], [command])
@@ -211,7 +213,7 @@ def _progress_line(image: str):
 def cmd_prefetch(args: argparse.Namespace) -> int:
     import sys
 
-    from prefetch.local import default_node_name, warm_local
+    from snapshotter.warm import default_node_name, warm_local
 
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
         raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most {MAX_TIMEOUT_S} seconds")

@@ -12,10 +12,12 @@ statistics() of the returned chain keeps FetchChain's shape ({source: counters})
 bytes of both paths added up per source, plus a "swarm" entry carrying the swarm's
 figures (bytes from peers, local storage and fallback, uploads, peers connected).
 
-With `config["root"]` (a node's root), the chain also serves ROOT/swarm.sock
-(p2p/control.py): the bulk path (download a layer's whole blob through the swarm) for
-prefetch hooks and tests, in the process that owns the swarm; `resolve_layer` (from the
-snapshotter side, p2p.control.ResolveLayer) names the blobs of the node's layers.
+The chain exposes its swarm's control ops (`control`, p2p/control.py: the bulk path,
+download a layer's whole blob through the swarm, for prefetch hooks and tests, and the
+figures), which the node's control socket serves (snapshotter/fs/control.py), in the
+process that owns the swarm.
+`resolve_layer` (from the snapshotter side, p2p.control.ResolveLayer) names the blobs
+of the node's layers for `download`.
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ from dataclasses import dataclass, field
 from cache.region.client import RegionLink
 from cache.source import FetchChain, Source
 from p2p.config import SwarmConfig
-from p2p.control import SOCKET_NAME, Control, ResolveLayer
+from p2p.control import Control, ResolveLayer
 from p2p.ondemand import SwarmSource
 from p2p.swarm import Swarm
 from p2p.tracker.client import MetadataClient
 from shoal.config import DEFAULT_ROOT
 from shoal.errors import ShoalError
-from shoal.localrpc import Server as ControlServer
 
 log = logging.getLogger("shoal.swarm")
 
@@ -46,7 +47,7 @@ class SwarmChain(FetchChain):
 
     swarm: Swarm | None = None
     fallback: FetchChain | None = None
-    control: ControlServer | None = None
+    control: Control | None = None
     _closed: bool = field(default=False, repr=False)
 
     def statistics(self) -> dict[str, dict]:
@@ -64,8 +65,6 @@ class SwarmChain(FetchChain):
         if self._closed:
             return
         self._closed = True
-        if self.control is not None:
-            self.control.close()
         super().close()  # closes the swarm source (and so the session) and the others
 
 
@@ -93,11 +92,5 @@ def swarm_chain(sources: list[Source], config: dict, resolve_layer: ResolveLayer
         log.error("swarm disabled: %s", exc)
         return FetchChain(list(sources))
     chain = SwarmChain([SwarmSource(swarm), *sources], swarm=swarm, fallback=fallback)
-    root = config.get("root")
-    if root:
-        try:
-            control = Control(chain, swarm, resolve_layer)
-            chain.control = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
-        except OSError as exc:
-            log.error("swarm control socket in %s: %s", root, exc)
+    chain.control = Control(chain, swarm, resolve_layer)
     return chain

@@ -180,13 +180,13 @@ def push_profile(host: str, repository: str, profile: Profile, layer_order: Sequ
     the reference it was pushed as."""
     missing = set(profile.layers) - set(layer_order)
     if missing:
-        raise FormatError(f"profile of {profile.manifest}: layer {sorted(missing)[0]} is not in the image")
-    return push_profile_bytes(host, repository, profile.manifest, profile.to_json(layer_order), plain_http)
+        raise FormatError(f"profile of {profile.manifest}: layer {min(missing)} is not in the image")
+    return _push_blob(host, repository, profile.manifest, profile.to_json(layer_order), plain_http)
 
 
-def push_profile_bytes(host: str, repository: str, manifest_digest: str, blob: bytes, plain_http: bool = False) -> str:
+def _push_blob(host: str, repository: str, manifest_digest: str, blob: bytes, plain_http: bool = False) -> str:
     """Push `blob` as the profile of the image `manifest_digest` (not checked: push_profile
-    makes the blob; tests push bad ones)."""
+    makes the blob; the lab pushes bad ones, tests/lab/provide.py)."""
     ref = DockerRef(host, repository, tag=profile_tag(manifest_digest))
     config = b"{}"
     manifest = json.dumps({

@@ -1,7 +1,9 @@
-"""The node's local control sockets (the layer file system's ROOT/fs.sock, the swarm's
-ROOT/swarm.sock): one JSON request per line on a unix socket, one JSON answer per line,
-`{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Both sides: `call` (client) and
-`Server` (a thread per connection; the socket is 0600, so only its owner reaches it)."""
+"""The control-socket protocol: one JSON request per line on a unix socket, one JSON
+answer per line, `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Both sides:
+`call` (client) and `Server` (a thread per connection; the socket is 0600, so only its
+owner reaches it). The node's one control socket, ROOT/fs.sock, speaks it
+(snapshotter/fs/control.py lists its ops, the layer file system's and the swarm's);
+so does the lab's agent (tests/lab/agent.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,12 @@ def call(path: str, request: dict, timeout: float = 60.0, what: str = "") -> dic
 
 
 class Server:
-    """JSON lines on a unix socket, a thread per connection; `handle(request) -> answer`."""
+    """JSON lines on a unix socket, a thread per connection; `handle(request) -> answer`.
+
+    `handle` runs on the connection's thread (requests of one connection one after the
+    other). What it raises is answered {"ok": false, "error"}: a ShoalError by its
+    message (a one-line message for users), anything else as "Type: message"; an
+    exception other than the expected ones (a bug) is logged with its traceback too."""
 
     def __init__(self, path: str, handle: Callable[[dict], dict]) -> None:
         self.path, self.handle = path, handle
@@ -69,7 +76,9 @@ class Server:
             for line in fh:
                 try:
                     out = {"ok": True, **self.handle(json.loads(line))}
-                except (ShoalError, OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
+                except ShoalError as exc:
+                    out = {"ok": False, "error": str(exc) or type(exc).__name__}
+                except (OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
                     out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 except Exception as exc:  # answered, and logged: a bug must not kill the socket
                     log.exception("control: %s", line[:200])

@@ -22,10 +22,20 @@ DEFAULT_READ_DEADLINE = 20.0
 DEFAULT_SOURCE_BACKOFF = 10.0
 
 
+ControlOps = Callable[[dict], dict]  # a control request -> its answer (shoal/localrpc.py)
+
+
 def make_chain(config: dict) -> FetchChain:
     """The chain, every read of it bounded by `read_deadline` seconds; a source that
     hangs is skipped for `source_backoff` seconds (up to 3 times that after hangs in a
     row; cache/source.py)."""
+    return make_chain_and_swarm_ops(config)[0]
+
+
+def make_chain_and_swarm_ops(config: dict) -> tuple[FetchChain, ControlOps | None]:
+    """make_chain's chain and, when it has a swarm, the swarm's control ops
+    (p2p/control.py Control.handle: ping, stats, download), which the node's control
+    socket serves beside the layer file system's."""
     deadline = float(config.get("read_deadline", DEFAULT_READ_DEADLINE))
     backoff = float(config.get("source_backoff", DEFAULT_SOURCE_BACKOFF))
     sources: list[Source] = []
@@ -36,14 +46,17 @@ def make_chain(config: dict) -> FetchChain:
         # with the node token, if the node has one: the region takes bad-bytes reports only from its nodes
         sources.append(RegionSource(RegionLink.from_config(config, with_token=True), read_timeout=deadline))
     sources.append(OriginSource(plain_http_hosts=config.get("plain_http_hosts", []), read_timeout=deadline))
+    swarm_ops: ControlOps | None = None
     if config.get("swarm", {}).get("enabled", False):  # the swarm first (p2p/chain.py, docs/p2p.md)
-        from p2p.chain import swarm_chain
+        from p2p.chain import SwarmChain, swarm_chain
 
         chain = swarm_chain(sources, config, layer_blobs(config["root"]) if config.get("root") else None)
+        if isinstance(chain, SwarmChain) and chain.control is not None:
+            swarm_ops = chain.control.handle
     else:
         chain = FetchChain(sources)
     chain.deadline, chain.backoff, chain.backoff_max = deadline, backoff, 3 * backoff
-    return chain
+    return chain, swarm_ops
 
 
 def layer_blobs(root: str) -> Callable[[str], BlobRef | None]:
@@ -82,6 +95,7 @@ class DataPath:
     # proof reads the whole blob this way and checks its digest itself)
     read_ranges: Callable[[BlobRef, list[tuple[int, int]]], list[bytes]]
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
+    swarm_ops: ControlOps | None = None  # the swarm's control ops, when the chain has a swarm
 
 
 MEMORY_FRACTION = 0.25  # of the machine's memory, at most, for decompressed chunks
@@ -103,7 +117,7 @@ def memory_capacity(wanted: int) -> int:
 
 
 def make_data_path(root: str, config: dict) -> DataPath:
-    chain = make_chain(config)
+    chain, swarm_ops = make_chain_and_swarm_ops(config)
     memory = ChunkMemory(memory_capacity(int(config.get("memory_cache", 512 << 20))))
     store = make_store(root, config)
     writer = WriteBehind(store) if store is not None else None
@@ -123,4 +137,4 @@ def make_data_path(root: str, config: dict) -> DataPath:
             log.warning("stopping with chunks not yet in the chunk store (they will be fetched again)")
         chain.close()
 
-    return DataPath(loader, statistics, chain.read_ranges, close)
+    return DataPath(loader, statistics, chain.read_ranges, close, swarm_ops)

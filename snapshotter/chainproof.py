@@ -455,7 +455,7 @@ class ChainProofs:
         for key in bad:
             try:
                 self.drop_bad_when_unused(key)
-            except Exception:  # noqa: BLE001 - the worker serves every layer of the node
+            except Exception:
                 log.exception("removal of bad chain %s", key)
 
     def _prove_background(self, digest: str) -> None:
@@ -473,7 +473,7 @@ class ChainProofs:
             log.warning("proof of layer %s: %s (again in %.0fs)", digest, e, delay)
             self.schedule(digest, delay)
             return
-        except Exception:  # noqa: BLE001 - the worker serves every layer of the node
+        except Exception:
             log.exception("proof of layer %s", digest)
             self.schedule(digest, RETRY_MAX)
             return

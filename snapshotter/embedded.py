@@ -4,7 +4,7 @@
     with EmbeddedNode() as node:
         node.pull(ref, plain_http)
         code = node.run(ref, command, timeout)      # None when it ran past the timeout
-        chunks = node.fs.call("profile", layers=...)["chunks"]
+        chunks = node.fs.profile(layers)
 
 Everything lives under one private directory (0700, short enough for unix sockets):
 the node's root and socket, containerd's root, state, sockets, runc state and FIFOs.
@@ -27,9 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
+
+if TYPE_CHECKING:
+    from snapshotter.fs.client import FSClient
 
 log = logging.getLogger("shoal.embedded")
 
@@ -88,7 +92,7 @@ class EmbeddedNode:
         self._node: subprocess.Popen | None = None
         self._containerd: subprocess.Popen | None = None
         self._created_run_dirs: list[str] = []
-        self.fs = None
+        self.fs: FSClient | None = None  # once started
 
     # --- lifecycle ---------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
 from snapshotter.chainproof import ChainProofs, ProofConfig, chain_id_of
+from snapshotter.filters import parse_filters
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     LABEL_LAYER_KIND,
@@ -54,7 +55,6 @@ from snapshotter.snapshotter import (
     RemoteLayer,
     RemoteLayers,
     Usage,
-    parse_filters,
 )
 
 log = logging.getLogger("shoal.snapshotter")
@@ -139,14 +139,15 @@ class LocalSnapshotter:
             log.warning("%d remote layers in the metadata but no remote layer provider: mounts using them will fail",
                         len(remote))
             return
-        if hasattr(self._remote, "sweep"):
-            try:
-                self._remote.sweep({rec.layer_path for rec in remote})
-            except Exception as e:  # noqa: BLE001 (leftovers cost disk, not correctness)
-                log.error("cannot sweep remote layers no snapshot uses: %s", e)
+        if self._remote is None:
+            return
+        try:
+            self._remote.sweep({rec.layer_path for rec in remote if rec.layer_path})
+        except Exception as e:  # noqa: BLE001 (leftovers cost disk, not correctness)
+            log.error("cannot sweep remote layers no snapshot uses: %s", e)
         for rec in remote:
             try:
-                self._remote.restore(rec.layer_path, dict(rec.labels))
+                self._remote.restore(rec.layer_path or "", dict(rec.labels))
                 log.info("restored %s layer %s at %s", rec.layer_kind, rec.key, rec.layer_path)
             except Exception as e:  # noqa: BLE001 (one bad layer must not keep the node from serving the rest)
                 log.error("cannot restore %s layer %s at %s: %s", rec.layer_kind, rec.key, rec.layer_path, e)
@@ -347,6 +348,8 @@ class LocalSnapshotter:
         """Ask RemoteLayers for the layer `target`; if it provides one, commit it as
         `target` and raise AlreadyExists (the remote-snapshotter protocol). Returns when
         the Prepare should go on as an ordinary one."""
+        if self._remote is None:  # (prepare asks only with a provider)
+            return
         with self._target_lock(target):
             with self._db.read() as tx:
                 parent_rec = tx.check_new(Kind.ACTIVE, key, parent)
@@ -385,7 +388,7 @@ class LocalSnapshotter:
         raise AlreadyExists(f"target snapshot {target!r} provided as a {layer.kind} layer")
 
     def _release(self, rec: Record) -> None:
-        layer = RemoteLayer(path=rec.layer_path, kind=rec.layer_kind or "", info_labels=dict(rec.labels),
+        layer = RemoteLayer(path=rec.layer_path or "", kind=rec.layer_kind or "", info_labels=dict(rec.labels),
                             usage=rec.usage)
         if self._remote is None:
             log.warning("removed %s layer %s at %s, but no remote layer provider is configured to release it",
@@ -394,6 +397,8 @@ class LocalSnapshotter:
         self._release_layer(layer, rec.key)
 
     def _release_layer(self, layer: RemoteLayer, name: str) -> None:
+        if self._remote is None:
+            return
         try:
             self._remote.release(layer)
         except Exception as e:  # noqa: BLE001 (the snapshot is gone either way: log, go on)

@@ -123,6 +123,13 @@ def now_ns() -> int:
     return time.time_ns()
 
 
+def _inserted(cur: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT made (sqlite sets it for every successful INSERT)."""
+    if cur.lastrowid is None:
+        raise ShoalError("metadata: an insert made no row")
+    return cur.lastrowid
+
+
 class Tx:
     """Operations inside one transaction (MetaStore.read() / MetaStore.write())."""
 
@@ -202,7 +209,7 @@ class Tx:
             " VALUES (?, ?, ?, ?, ?, ?)",
             (key, int(kind), parent_rec.id if parent_rec else None, json.dumps(_clean_labels(labels)), t, t),
         )
-        return self._by_id(cur.lastrowid)
+        return self._by_id(_inserted(cur))
 
     def create_committed(
         self, name: str, parent: str, labels: dict[str, str] | None, usage: Usage,
@@ -219,7 +226,7 @@ class Tx:
             (name, int(Kind.COMMITTED), parent_rec.id if parent_rec else None,
              json.dumps(_clean_labels(labels)), t, t, usage.size, usage.inodes, layer_path, layer_kind),
         )
-        return self._by_id(cur.lastrowid)
+        return self._by_id(_inserted(cur))
 
     def commit(self, key: str, name: str, labels: dict[str, str] | None, usage: Usage, expect_id: int) -> Record:
         """Turn active `key` into committed `name` (same id, same parent, new labels and

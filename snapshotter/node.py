@@ -22,6 +22,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shoal.config import (
     host_port_check,
@@ -34,6 +35,10 @@ from shoal.config import (
 from shoal.errors import ShoalError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
+
+if TYPE_CHECKING:  # (imported when the node starts: gRPC is heavy)
+    from snapshotter.grpc_server import SnapshotsServer
+    from snapshotter.local import LocalSnapshotter
 
 log = logging.getLogger("shoal.node")
 
@@ -153,8 +158,8 @@ class Node:
         self.socket = Path(os.path.abspath(socket))
         self.config = config or NodeConfig()
         self.remote = remote
-        self.snapshotter = None
-        self._server = None
+        self.snapshotter: LocalSnapshotter | None = None
+        self._server: SnapshotsServer | None = None
         self._metrics = None
         self._lock_fd: int | None = None
         self._ready = False
@@ -173,7 +178,7 @@ class Node:
             self._lock_root()
             self.snapshotter = LocalSnapshotter(self.root, remote=self.remote, proofs=self.config.proofs())
             self.snapshotter.recover()
-            if self.remote is not None and hasattr(self.remote, "start"):
+            if self.remote is not None:
                 self.remote.start()
             self._server = SnapshotsServer(self.snapshotter, self.socket, self.config.snapshotter.grpc_threads)
             self._server.start()
@@ -210,7 +215,7 @@ class Node:
         if self.snapshotter is not None:
             self.snapshotter.close()
             self.snapshotter = None
-        if self.remote is not None and hasattr(self.remote, "stop_if_idle"):
+        if self.remote is not None:
             self.remote.stop_if_idle()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -237,10 +242,10 @@ def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
     answers on ROOT/fs.sock; 503 naming what does not)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from shoal.metrics import CONTENT_TYPE
-    from cli.pull_status import node_metrics, node_status
-    from snapshotter.fs.client import FSClient
     from cli.install import socket_answers
+    from cli.pull_status import node_metrics, node_status
+    from shoal.metrics import CONTENT_TYPE
+    from snapshotter.fs.client import FSClient
 
     def readiness() -> str:
         if not socket_answers(grpc_socket, timeout=2):

@@ -22,11 +22,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
 from builder.oci.base import Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
-from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION, location_from_annotations
 from cache.origin import use_plain_http
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest
@@ -34,7 +34,7 @@ from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
 from snapshotter import remote
 from snapshotter.chainproof import LABEL_GATE
-from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN
+from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN, layer_kind
 
 log = logging.getLogger("shoal.pull")
 
@@ -253,7 +253,7 @@ def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str) -> di
         remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
         remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
     }
-    ann = layer.get("annotations")
+    ann = layer.get("annotations") or {}
     loc = location_from_annotations(ann)
     if loc is not None:
         labels[remote.LABEL_TOC_POSITION] = (
@@ -274,7 +274,7 @@ def _check_present(ctr: _Containerd, snapshotter: str, name: str, layer: dict, c
                          f"{labels.get(remote.LABEL_LAYER_DIGEST, '?')}: its content is diff_id "
                          f"{labels.get(LABEL_DIFF_ID, '?')}); it is removed once no container uses it")
     provided_from = labels.get(remote.LABEL_LAYER_DIGEST) or labels.get(remote.LABEL_CRI_LAYER_DIGEST)
-    lazy = labels.get(remote.LABEL_KIND) == "lazy"
+    lazy = layer_kind(labels) == "lazy"
     if not lazy or labels.get(LABEL_PROOF) == PROVEN or provided_from in (None, layer["digest"]):
         return True
     log.info("%s: chain %s was provided from layer %s: waiting for its proof", what, chain, provided_from)
@@ -313,19 +313,6 @@ def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_dige
         log.info("%s: %s", what, kind)
         pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
     return pulled
-
-
-def provide_layers(address: str, name: str, manifest_digest: str, layers: list[dict], diff_ids: list[str],
-                   snapshotter: str = "shoal") -> list[PulledLayer]:
-    """Have the snapshotter behind `address` provide an image's layers (what `shoal pull`
-    does without the content, image and lease records). `address` may be a shoal node's
-    own socket, which serves the same Snapshots API: tests and tools use a node without
-    containerd this way. `name` is HOST/REPO[:TAG], `layers` the manifest's descriptors."""
-    ctr = _Containerd(address, "default")
-    try:
-        return _provide_layers(ctr, snapshotter, name, manifest_digest, layers, chain_ids(diff_ids))
-    finally:
-        ctr.close()
 
 
 def _select_manifest(src: RegistrySource, root: Manifest, platform: str, ref: str) -> tuple[Manifest, dict | None]:

@@ -31,10 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 from builder.convert import _Decompressing
-from builder.oci.documents import parse_config, parse_manifest
-from builder.oci.refs import DockerRef, parse_registry_ref
-from builder.oci.registry import RegistrySource
-from prefetch.profile import Profile, fetch_profile
 from builder.format.footer import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
@@ -43,8 +39,13 @@ from builder.format.footer import (
     location_from_annotations,
 )
 from builder.format.toc import decompress_toc
+from builder.oci.documents import parse_config, parse_manifest
+from builder.oci.refs import DockerRef, parse_registry_ref
+from builder.oci.registry import RegistrySource
 from cache.origin import use_plain_http
 from cache.source import BlobRef
+from prefetch.profile import Profile
+from prefetch.warmup import published_profile
 from shoal import mediatypes as mt
 from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
@@ -74,7 +75,6 @@ LABEL_LAYER_SIZE = _P + "layer-size"
 LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
-LABEL_KIND = _P + "layer-kind"  # "lazy" or "unpacked", on the committed snapshot
 
 
 class RemoteLayers:
@@ -131,7 +131,7 @@ class RemoteLayers:
                 kind = "unpacked"
                 info.update({LABEL_DIFF_ID: diff_id, LABEL_PROOF: PROVEN})
         log.info("%s: layer %s provided %s (%s)", image, digest, kind, path)
-        return RemoteLayer(path, kind, {**info, LABEL_KIND: kind}, digest=digest)
+        return RemoteLayer(path, kind, info, digest=digest)  # the snapshotter labels the kind (LABEL_LAYER_KIND)
 
     # --- warm-up of an image's other layers ---------------------------------------------------
 
@@ -178,24 +178,13 @@ class RemoteLayers:
         if not self.config.get("prefetch_profiles", True):
             return None
         digests = [d.get("digest") for d in layers if isinstance(d, dict)]
-        try:
-            profile = fetch_profile(blob.registry, blob.repository, manifest_digest, blob.plain_http, digests)
-        except (ShoalError, OSError, ValueError) as e:
-            log.warning("%s: access profile of %s not used: %s", image, manifest_digest, e)
-            return None
+        profile = published_profile(blob.registry, blob.repository, manifest_digest, blob.plain_http, digests,
+                                    int(self.config.get("prefetch_max_bytes", 8 << 30)), image)
         if profile is None:
-            log.info("%s: no access profile for %s", image, manifest_digest)
             return None
-        limit = int(self.config.get("prefetch_max_bytes", 8 << 30))
-        bounded = profile.bounded(limit)
-        if bounded is not profile:
-            log.warning("%s: access profile of %s names %.1f MB, more than prefetch_max_bytes (%.1f MB): "
-                        "prefetching its first %d of %d chunks", image, manifest_digest, profile.compressed_bytes / 1e6,
-                        limit / 1e6, len(bounded.chunks), len(profile.chunks))
-            profile = bounded
         try:
             self.fs.ensure_running()
-            queued = self.fs.call("prefetch", chunks=[list(c) for c in profile.chunks])["queued"]
+            queued = self.fs.prefetch(profile.chunks)
         except (ShoalError, OSError) as e:
             log.warning("%s: prefetch of its access profile: %s", image, e)
             return None
@@ -203,6 +192,14 @@ class RemoteLayers:
             self.prefetched_images += 1
         log.info("%s: access profile: %d chunks (%.1f MB), %d of them queued now, the rest as their layers load",
                  image, len(profile.chunks), profile.compressed_bytes / 1e6, queued)
+        return profile
+
+    def warm_image(self, blob: BlobRef, manifest_digest: str, image: str) -> Profile | None:
+        """Load the TOCs of the image's lazy layers (all of them, unless `blob` is one) and
+        hand its access profile to the layer fs, waiting for the loads: `shoal prefetch
+        --root` (snapshotter/warm.py). This RemoteLayers warms nothing after."""
+        profile = self._warm_layers(blob, manifest_digest, image)
+        self._warm_pool.shutdown(wait=True)
         return profile
 
     def _warm_layer(self, blob: BlobRef, desc: dict, image: str) -> None:
@@ -294,7 +291,7 @@ class RemoteLayers:
         try:
             self.fs.ensure_running()
             self.fs.load(layer_id)
-            reply = self.fs.call("prove", timeout=timeout, id=layer_id, urgent=urgent)
+            reply = self.fs.prove(layer_id, urgent, timeout)
         except TimeoutError:
             raise ProofFailed(f"layer {layer.digest}: its proof did not complete within {timeout:.0f}s") from None
         except (OSError, ShoalError) as e:
@@ -306,7 +303,7 @@ class RemoteLayers:
     def mark_bad(self, layer: RemoteLayer, reason: str) -> None:
         if layer.path.startswith(self.fs.mnt + os.sep):
             self.fs.ensure_running()
-            self.fs.call("mark_bad", id=os.path.basename(layer.path), reason=reason)
+            self.fs.mark_bad(os.path.basename(layer.path), reason)
 
     def _lock_for(self, digest: str) -> threading.Lock:
         with self._locks_lock:

@@ -56,8 +56,7 @@ applying the layer. The RemoteLayers seam below is where the layer comes from.
 from __future__ import annotations
 
 import enum
-import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +65,9 @@ from shoal.errors import ShoalError
 # Labels with a meaning in the protocol.
 LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
 LABEL_LAYER_KIND = "shoal.io/layer-kind"  # "lazy" | "unpacked" on remote-provided layers
+# The same, as snapshots committed before this label was the only one also carry it
+# (set by RemoteLayers then): read by layer_kind(), never written any more.
+OLD_LABEL_LAYER_KIND = "containerd.io/snapshot/shoal.layer-kind"
 # The proof of a remote layer (see chainproof.py), set on its committed snapshot by the
 # node alone: the same names in a Prepare's labels (which an image's layer annotations
 # can set, through containerd's unpacker) are dropped. Under containerd.io/snapshot/ so
@@ -79,6 +81,12 @@ LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
 LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
 NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
 PENDING, PROVEN, BAD = "pending", "proven", "bad"
+
+
+def layer_kind(labels: dict[str, str]) -> str:
+    """"lazy" | "unpacked" for a remote-provided layer's labels, "" for any other snapshot
+    (the current label, else the old one of snapshots made before)."""
+    return labels.get(LABEL_LAYER_KIND) or labels.get(OLD_LABEL_LAYER_KIND) or ""
 
 
 class Kind(enum.IntEnum):
@@ -172,10 +180,23 @@ class ProofFailed(ShoalError):
 class RemoteLayers(Protocol):
     """Where layers that containerd need not download come from (lazy FUSE layers).
 
-    Called from gRPC worker threads, possibly concurrently for different targets, never
-    concurrently for the same target. May block (fetch a TOC, mount); the snapshotter
-    holds no lock meanwhile.
+    Lifecycle: at node start sweep() and restore() (recovery), then start(); while the
+    node serves prepare/release/prove/mark_bad; stop_if_idle() when it stops.
+    prepare and the calls after it come from gRPC worker threads, possibly concurrently for
+    different targets, never concurrently for the same target. May block (fetch a TOC,
+    mount); the snapshotter holds no lock meanwhile.
     """
+
+    def start(self) -> None:
+        """At node start, after recovery: have what serves the layers running. ShoalError
+        (one line) if it cannot: the node does not start."""
+        ...
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """At node start, before restore: drop the layers no snapshot uses (left by a
+        crash). `keep`: the layer paths in the snapshot metadata. Returns what was removed.
+        Errors are logged by the caller: leftovers cost disk, not correctness."""
+        ...
 
     def prepare(self, target: str, parent_chain: str, labels: dict[str, str]) -> RemoteLayer | None:
         """Called on Prepare when the labels carry `containerd.io/snapshot.ref` (= target,
@@ -210,6 +231,11 @@ class RemoteLayers(Protocol):
 
     def mark_bad(self, layer: RemoteLayer, reason: str) -> None:
         """Every read of the lazy layer fails from now on (EIO, a log line with reason)."""
+        ...
+
+    def stop_if_idle(self) -> None:
+        """At node stop: stop what serves the layers if no layer is served (one serving
+        layers keeps running for the containers that use them). Never raises."""
         ...
 
 
@@ -270,184 +296,3 @@ class Snapshotter(Protocol):
     def close(self) -> None:
         """Release resources; idempotent."""
         ...
-
-
-# --- Walk filters (containerd/filters) ------------------------------------------------------
-
-# The grammar, from containerd's filters/parser.go:
-#   selectors := selector ("," selector)*
-#   selector  := fieldpath (operator value)
-#   fieldpath := field ('.' field)*
-#   field     := quoted | [A-Za-z0-9_]+
-#   operator  := "==" | "!=" | "~="
-#   value     := quoted | [^\s,]+
-#   quoted    := <go string syntax>; fields take "..." only, values of ~= also /.../ and |...|
-
-_PRESENT, _EQ, _NE, _MATCH = "?", "==", "!=", "~="
-_QUOTES = '"/|'
-_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\"}
-
-
-@dataclass(frozen=True)
-class _Selector:
-    fieldpath: tuple[str, ...]
-    op: str
-    value: str = ""
-    regex: re.Pattern | None = None
-
-
-class _FilterParser:
-    def __init__(self, text: str) -> None:
-        self.text, self.pos = text, 0
-
-    def fail(self, message: str) -> InvalidArgument:
-        return InvalidArgument(f"filter {self.text!r}: {message} at offset {self.pos}")
-
-    def skip_space(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos].isspace():
-            self.pos += 1
-
-    def peek(self) -> str:
-        self.skip_space()
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def parse(self) -> list[_Selector]:
-        selectors = [self.selector()]
-        while True:
-            ch = self.peek()
-            if ch == "":
-                return selectors
-            if ch != ",":
-                raise self.fail(f"unexpected input {ch!r}")
-            self.pos += 1
-            selectors.append(self.selector())
-
-    def selector(self) -> _Selector:
-        path = [self.field()]
-        while self.peek() == ".":
-            self.pos += 1
-            path.append(self.field())
-        if self.peek() in ("", ","):
-            return _Selector(tuple(path), _PRESENT)
-        op = self.operator()
-        value = self.value(alt_quotes=op == _MATCH)
-        regex = None
-        if op == _MATCH:
-            try:
-                regex = re.compile(value)
-            except re.error as e:
-                raise self.fail(f"bad regular expression {value!r}: {e}") from None
-        return _Selector(tuple(path), op, value, regex)
-
-    def field(self) -> str:
-        ch = self.peek()
-        if ch == '"':
-            return self.quoted()
-        start = self.pos
-        while self.pos < len(self.text) and (self.text[self.pos].isascii() and (
-                self.text[self.pos].isalnum() or self.text[self.pos] == "_")):
-            self.pos += 1
-        if self.pos == start:
-            raise self.fail("expected a field or a quoted string")
-        return self.text[start:self.pos]
-
-    def operator(self) -> str:
-        self.skip_space()
-        start = self.pos
-        while self.pos < len(self.text) and self.text[self.pos] in "=!~":
-            self.pos += 1
-        op = self.text[start:self.pos]
-        if op not in (_EQ, _NE, _MATCH):
-            self.pos = start
-            raise self.fail('expected an operator ("==", "!=" or "~=")')
-        return op
-
-    def value(self, alt_quotes: bool) -> str:
-        ch = self.peek()
-        if ch == "":
-            raise self.fail("expected a value")
-        if ch == '"' or (alt_quotes and ch in _QUOTES):
-            return self.quoted()
-        if ch in _QUOTES or ch in ",.":
-            raise self.fail(f"unexpected {ch!r}")
-        start = self.pos
-        while self.pos < len(self.text) and self.text[self.pos] != "," and not self.text[self.pos].isspace():
-            self.pos += 1
-        return self.text[start:self.pos]
-
-    def quoted(self) -> str:
-        quote = self.text[self.pos]
-        self.pos += 1
-        out = []
-        while True:
-            if self.pos >= len(self.text) or self.text[self.pos] == "\n":
-                raise self.fail("quoted literal not terminated")
-            ch = self.text[self.pos]
-            self.pos += 1
-            if ch == quote:
-                return "".join(out)
-            if ch != "\\":
-                out.append(ch)
-                continue
-            esc = self.text[self.pos:self.pos + 1]
-            self.pos += 1
-            if esc in _ESCAPES:
-                out.append(_ESCAPES[esc])
-            elif esc == quote:
-                out.append(quote)
-            elif esc in ("x", "u", "U") or esc.isdigit():
-                width, base = {"x": (2, 16), "u": (4, 16), "U": (8, 16)}.get(esc, (3, 8))
-                digits = self.text[self.pos:self.pos + width] if esc in "xuU" else esc + self.text[self.pos:self.pos + 2]
-                try:
-                    out.append(chr(int(digits, base)))
-                except ValueError:
-                    raise self.fail("illegal escape sequence") from None
-                self.pos += width if esc in "xuU" else 2
-            else:
-                raise self.fail("illegal escape sequence")
-
-
-def _field(info: Info, path: tuple[str, ...]) -> tuple[str, bool]:
-    """containerd's snapshot filter adaptor: (value, present)."""
-    head = path[0]
-    if head == "kind":
-        return str(info.kind), True
-    if head == "name":
-        return info.name, True
-    if head == "parent":
-        return info.parent, True
-    if head == "labels":
-        if not info.labels:
-            return "", False
-        key = ".".join(path[1:])
-        return (info.labels[key], True) if key in info.labels else ("", False)
-    return "", False
-
-
-def _matches(selectors: list[_Selector], info: Info) -> bool:
-    for s in selectors:
-        value, present = _field(info, s.fieldpath)
-        if s.op == _PRESENT:
-            ok = present
-        elif s.op == _EQ:
-            ok = present and value == s.value
-        elif s.op == _NE:
-            ok = value != s.value
-        else:
-            ok = s.regex.search(value) is not None
-        if not ok:
-            return False
-    return True
-
-
-def parse_filters(filters: Iterable[str]) -> Callable[[Info], bool]:
-    """A predicate over Info for Walk filters (any filter matches; "" matches all).
-    InvalidArgument when a filter does not parse."""
-    parsed = []
-    for text in filters:
-        if text == "":
-            return lambda info: True
-        parsed.append(_FilterParser(text).parse())
-    if not parsed:
-        return lambda info: True
-    return lambda info: any(_matches(selectors, info) for selectors in parsed)

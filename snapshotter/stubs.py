@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import types
 
-from snapshotter import wire  # noqa: F401  (selects the protobuf implementation first)
+from snapshotter import wire
 
-from containerd.services.content.v1 import content_pb2, content_pb2_grpc  # noqa: E402
-from containerd.services.images.v1 import images_pb2, images_pb2_grpc  # noqa: E402
-from containerd.services.leases.v1 import leases_pb2, leases_pb2_grpc  # noqa: E402
-from containerd.services.namespaces.v1 import namespace_pb2, namespace_pb2_grpc  # noqa: E402
-from containerd.services.snapshots.v1 import snapshots_pb2, snapshots_pb2_grpc  # noqa: E402
-from containerd.types import descriptor_pb2  # noqa: E402
-from google.protobuf import field_mask_pb2  # noqa: E402
+from containerd.services.content.v1 import content_pb2, content_pb2_grpc
+from containerd.services.images.v1 import images_pb2, images_pb2_grpc
+from containerd.services.leases.v1 import leases_pb2, leases_pb2_grpc
+from containerd.services.namespaces.v1 import namespace_pb2, namespace_pb2_grpc
+from containerd.services.snapshots.v1 import snapshots_pb2, snapshots_pb2_grpc
+from containerd.types import descriptor_pb2
+from google.protobuf import field_mask_pb2
 
 
 def containerd_stubs() -> types.SimpleNamespace:

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.services import REGISTRY_BIN  # noqa: E402
+from tests.services import REGISTRY_BIN
 
 TOKEN_SERVICE = "shoal-test-registry"
 TOKEN_ISSUER = "shoal-test-issuer"
@@ -71,7 +71,7 @@ def docker_config(tmp_path_factory, monkeypatch) -> DockerConfig:
 
 # --- the registry process ----------------------------------------------------------
 
-from tests.services import STOP_TIMEOUT, RegistryServer, start_registry  # noqa: E402
+from tests.services import STOP_TIMEOUT, RegistryServer, start_registry
 
 # --- htpasswd ------------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class TokenServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            def do_GET(self) -> None:
                 query = parse_qs(urlparse(self.path).query)
                 user = server._user(self.headers.get("Authorization"))
                 if user is None:

@@ -30,10 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from builder.format.footer import location_from_annotations
 from builder.format.toc import decompress_toc, parse_toc
+from cache.loader import NodeChunkLoader, SingleFlight
 from cache.region.client import RegionLink, RegionSource
 from cache.source import BlobRef, FetchChain
 from shoal.errors import ShoalError
-from cache.loader import NodeChunkLoader, SingleFlight
 
 
 class _Memory:

@@ -121,8 +121,8 @@ def lazy_app_image(registry, root: Path, repo: str, cmd: list[str]) -> tuple[str
     import json
 
     from builder.convert import convert
-    from tests.lab.fromdir import ImageConfig, build_image
     from builder.oci.refs import open_source
+    from tests.lab.fromdir import ImageConfig, build_image
 
     layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
     gz = f"{registry.host}/{repo}:gzip"

@@ -21,8 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.lab.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
 from snapshotter.embedded import containerd_config, shim_pids, stop_process
+from tests.lab.netlab import mounts_under, registry_log, unmount_under  # noqa: F401 (used by other tests)
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 START_TIMEOUT = 20.0

@@ -14,7 +14,6 @@ import tarfile
 import pytest
 
 from builder import tarsplit
-from builder.tarstream import TarReader, clean_name
 from builder.format.footer import (
     FOOTER_MAGIC,
     MANIFEST_CHECKSUM,
@@ -27,6 +26,7 @@ from builder.format.footer import (
 from builder.format.reader import LayerReader
 from builder.format.toc import decompress_toc, format_timestamp, parse_toc
 from builder.format.writer import LayerWriter, WriterOptions
+from builder.tarstream import TarReader, clean_name
 from shoal.errors import DigestMismatch, FormatError
 
 MTIME = 1_700_000_123.5

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder import tarsplit
-from builder.tarstream import TarReader
 from builder.format.footer import (
     FOOTER_MAGIC,
     MANIFEST_CHECKSUM,
@@ -21,6 +20,7 @@ from builder.format.footer import (
     parse_footer,
 )
 from builder.format.toc import decompress_toc, parse_toc
+from builder.tarstream import TarReader
 from shoal.errors import FormatError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.fromdir import ImageConfig, build_image
-from builder.oci.refs import open_source
 from builder.format.footer import (
     FOOTER_MAGIC,
     OLD_FOOTER_MAGIC,
@@ -36,7 +34,9 @@ from builder.format.footer import (
 )
 from builder.format.reader import LayerReader
 from builder.format.toc import decompress_toc, parse_toc
+from builder.oci.refs import open_source
 from shoal import mediatypes as mt
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, delta_layer, python_layer
 from tests.services import missing_dirs, remove_empty_dirs, unmount_under
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from tests.lab.fromdir import ImageConfig, build_image
-from builder.oci.refs import open_source
 from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION
+from builder.oci.refs import open_source
 from shoal.errors import DigestMismatch
 from snapshotter import remote
 from snapshotter.remote import RemoteLayers
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, delta_layer, python_layer, special_layer
 from tests.services import start_registry, wait_for
 
@@ -461,7 +461,7 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
         return out
 
     want = read_all(mounts_a)
-    trace = layers_a.fs.call("profile")["chunks"]
+    trace = layers_a.fs.profile()
     assert trace and trace[0][0] == manifest["layers"][1]["digest"]  # python3.11 was read first
     assert len({(d, a) for d, a, _ in trace}) == len(trace)  # each chunk once
 
@@ -506,8 +506,9 @@ def test_node_ignores_profiles_when_told_and_survives_bad_ones(image, tmp_path, 
     ranges are not chunks of the layer prefetches nothing."""
     import logging
 
-    from prefetch.profile import Profile, fetch_profile, push_profile, push_profile_bytes
+    from prefetch.profile import Profile, fetch_profile, push_profile
     from shoal.errors import FormatError
+    from tests.lab.provide import push_profile_bytes
 
     registry, ref, manifest, _ = image
     digest = _manifest_digest(ref)
@@ -577,7 +578,7 @@ def test_a_profile_is_bounded_and_bound_to_its_manifest(image, node, tmp_path, c
     mounts_a = _prepare_image(layers_a, ref, manifest, digest)
     (mounts_a[1] / "usr/bin/python3.11").read_bytes()
     (mounts_a[0] / "bin/busybox").read_bytes()
-    trace = [tuple(c) for c in layers_a.fs.call("profile")["chunks"]]
+    trace = [tuple(c) for c in layers_a.fs.profile()]
     assert len(trace) >= 4
 
     # every range twice: published as it is, read back with each range once, in order
@@ -646,14 +647,14 @@ def test_a_read_waiting_on_a_failed_prefetch_fetches_the_chunk_itself(image, tmp
     the reads that wait on it."""
     import threading
 
-    from builder.oci.refs import DockerRef
-    from builder.oci.registry import RegistrySource
     from builder.format.footer import location_from_annotations
     from builder.format.toc import decompress_toc, parse_toc
+    from builder.oci.refs import DockerRef
+    from builder.oci.registry import RegistrySource
+    from cache.loader import Unfetched
     from cache.source import BlobRef
     from shoal.errors import ShoalError
     from snapshotter.assemble import make_data_path
-    from cache.loader import Unfetched
 
     registry, ref, manifest, _ = image
     host, repo = ref.split("/", 1)

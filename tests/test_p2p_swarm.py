@@ -6,7 +6,7 @@ bridge. Addresses are 192.0.2.0/24 (TEST-NET-1) and exist only inside these name
 (tests/lab/netlab.py).
 
 A layer reaches a node as containerd hands it over: a Prepare with the remote-snapshot
-labels on the node's socket (snapshotter.pull.provide_layers). The test then reads the
+labels on the node's socket (tests/lab/provide.py provide_layers). The test then reads the
 layer's files through the node's FUSE mount (ROOT/mnt/<hex>: processes enter only the
 namespace's network, so the mounts are the test's too), which is the on-demand path, or
 asks the node's swarm control socket for the whole blob (the bulk path).
@@ -37,9 +37,9 @@ pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (sh
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
-from tests.lab import netlab
-from shoal.metrics import parse as parse_metrics
 from cli.pull_status import node_status
+from shoal.metrics import parse as parse_metrics
+from tests.lab import netlab
 
 MiB = 1 << 20
 PIECE = 256 << 10  # the region's piece size for blobs this small (p2p/metainfo.py)

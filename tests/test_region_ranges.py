@@ -29,8 +29,8 @@ pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[n
 
 from builder.format.footer import location_from_annotations
 from builder.format.writer import LayerWriter
-from tests.lab import netlab
 from tests.imagetools import make_tar
+from tests.lab import netlab
 from tests.services import wait_for
 
 MiB = 1 << 20

@@ -171,8 +171,8 @@ def test_a_capacity_larger_than_the_disk_keeps_the_node_running(module_registry,
     someone else makes `ctr run` fail with one line, never a traceback, and works again
     once there is room."""
     from builder.convert import convert
-    from tests.lab.fromdir import ImageConfig, build_image
     from tests.fixtures_services import containerd_missing
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import busybox_layer
     from tests.services import SHOAL, CtrError, shoal_node_with_containerd
 
@@ -278,8 +278,8 @@ def test_the_node_root_is_root_s_alone(module_registry, tmp_path):
     Through the layer file system a file is served only as its layer's mode says: a
     0644 file to anyone, a root-owned 0600 file to root alone (default_permissions)."""
     from builder.convert import convert
-    from tests.lab.fromdir import ImageConfig, build_image
     from tests.fixtures_services import containerd_missing
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import busybox_layer
     from tests.services import SHOAL, shoal_node_with_containerd
 

@@ -34,11 +34,14 @@ from pathlib import Path
 import pytest
 
 from shoal.errors import ShoalError
+from snapshotter.filters import parse_filters
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
+    LABEL_LAYER_DIGEST,
     LABEL_LAYER_KIND,
     LABEL_PROOF,
     LABEL_SNAPSHOT_REF,
+    OLD_LABEL_LAYER_KIND,
     AlreadyExists,
     FailedPrecondition,
     Info,
@@ -48,7 +51,7 @@ from snapshotter.snapshotter import (
     NotFound,
     RemoteLayer,
     Usage,
-    parse_filters,
+    layer_kind,
 )
 
 grpc = pytest.importorskip("grpc", reason="the node dependencies are not installed (pip install '.[node]')")
@@ -116,6 +119,15 @@ class FakeRemote:
 
     def restore(self, layer_path: str, labels: dict[str, str]) -> None:
         self.restored.append((layer_path, labels))
+
+    def start(self) -> None:
+        pass
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        return []
+
+    def stop_if_idle(self) -> None:
+        pass
 
 
 def _commit_layer(s, name: str, parent: str = "", files: dict[str, str] | None = None) -> None:
@@ -345,6 +357,33 @@ def test_cleanup_keeps_mounted_orphans(sn, short_tmp):
 
 
 # --- the remote seam ------------------------------------------------------------------------
+
+
+def test_layer_kind_label_one_for_new_snapshots_and_the_old_one_still_read(short_tmp):
+    # snapshots committed before carry the old label too (RemoteLayers set it): still read
+    assert layer_kind({OLD_LABEL_LAYER_KIND: "lazy"}) == "lazy"
+    assert layer_kind({LABEL_LAYER_KIND: "unpacked", OLD_LABEL_LAYER_KIND: "unpacked"}) == "unpacked"
+    assert layer_kind({LABEL_LAYER_KIND: "lazy"}) == "lazy"
+    assert layer_kind({"containerd.io/snapshot.ref": "sha256:l1"}) == ""
+    # `shoal pull` asks whether a chain present is a lazy layer waiting for its proof by it
+    from snapshotter import pull
+
+    asked = []
+
+    class Ctr:
+        def view(self, snapshotter, key, parent, labels, what):
+            asked.append(parent)
+
+        def remove_snapshot(self, snapshotter, key):
+            pass
+
+    layer = {"digest": "sha256:" + "b" * 64}
+    old = {OLD_LABEL_LAYER_KIND: "lazy", LABEL_LAYER_DIGEST: "sha256:" + "a" * 64}
+    assert pull._check_present(Ctr(), "shoal", "img", layer, "sha256:c1", old, "what")
+    assert asked == ["sha256:c1"]  # a lazy layer from another blob: its proof is waited for
+    unpacked = {OLD_LABEL_LAYER_KIND: "unpacked", LABEL_LAYER_DIGEST: "sha256:" + "a" * 64}
+    assert pull._check_present(Ctr(), "shoal", "img", layer, "sha256:c2", unpacked, "what")
+    assert asked == ["sha256:c1"]
 
 
 def test_remote_layer_is_committed_as_target_and_answers_already_exists(short_tmp):
@@ -836,6 +875,15 @@ class UnpackedRemote:
     def restore(self, layer_path: str, labels: dict[str, str]) -> None:
         self.restored.append(layer_path)
 
+    def start(self) -> None:
+        pass
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        return []
+
+    def stop_if_idle(self) -> None:
+        pass
+
 
 @pytest.mark.containerd
 def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, registry, short_tmp, tmp_path_factory):
@@ -846,9 +894,9 @@ def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, 
     `ctr image pull` unpacks without the remote labels (rootfs.ApplyLayers), so the
     unpacker's labelled Prepare (client.Pull / CRI / `shoal pull`) is sent to containerd's
     own Snapshots API here, as containerd's unpacker.go sends it."""
-    from tests.lab.fromdir import ImageConfig, build_image
     from builder.oci.refs import open_source
     from snapshotter.node import Node
+    from tests.lab.fromdir import ImageConfig, build_image
     from tests.rootfs import busybox_layer, delta_layer
 
     trees = tmp_path_factory.mktemp("trees")

@@ -32,8 +32,8 @@ pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (sh
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
-from tests.lab import netlab
 from tests.conftest import TOKEN_ISSUER, TOKEN_SERVICE
+from tests.lab import netlab
 from tests.services import free_port, stop_process, wait_for
 from tests.test_p2p_swarm import _sha256_file
 

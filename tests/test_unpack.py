@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder.oci.base import Manifest
-from tests.lab.fromdir import ImageConfig, build_image
 from builder.oci.refs import DockerRef, open_source
 from builder.oci.registry import RegistryDestination
 from shoal import mediatypes as mt
@@ -35,6 +34,7 @@ from shoal.errors import FormatError
 from snapshotter.unpack import unpack
 from tests.fixtures_services import containerd_missing
 from tests.imagetools import gzip_bytes, sha256
+from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
 from tests.services import SHOAL, shoal_node_with_containerd
 

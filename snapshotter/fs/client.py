@@ -1,4 +1,5 @@
-"""The node's side of the layer file system: start the server, talk to its socket."""
+"""The node's side of the layer file system: start the server, talk to its socket (the
+node's one control socket, ROOT/fs.sock: one typed method per op of snapshotter/fs/control.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from shoal import localrpc
 from shoal.errors import ShoalError
 from shoal.fsutil import private_dir
+from snapshotter.fs.control import SOCKET_NAME
 
 log = logging.getLogger("shoal.fs")
 
@@ -22,22 +24,29 @@ class FSClient:
 
     The server runs in its own session, so stopping the node leaves it (and every
     container's files) running; stop() ends it explicitly.
+
+    Every op raises ShoalError when the server answers an error (its message names the
+    op), OSError when the socket cannot be reached, TimeoutError past `timeout`. Any thread.
     """
 
     def __init__(self, root: str, config: dict | None = None):
         self.root = os.path.abspath(root)
         self.config = config or {}
-        self.sock_path = os.path.join(self.root, "fs.sock")
+        self.sock_path = os.path.join(self.root, SOCKET_NAME)
         self.mnt = os.path.join(self.root, "mnt")
         self.pid: int | None = None
         self._start_lock = threading.Lock()
 
-    def call(self, op: str, timeout: float = 60.0, **args) -> dict:
+    def _call(self, op: str, timeout: float = 60.0, **args) -> dict:
         return localrpc.call(self.sock_path, {"op": op, **args}, timeout, "layer file system")
+
+    def ping(self, timeout: float = 5.0) -> dict:
+        """{"pid"} of the server (and "listen_port" of its swarm, when it has one)."""
+        return self._call("ping", timeout=timeout)
 
     def running(self) -> bool:
         try:
-            self.pid = self.call("ping", timeout=5)["pid"]
+            self.pid = self.ping()["pid"]
             return os.path.ismount(self.mnt)
         except (OSError, ShoalError, ValueError):
             return False
@@ -76,14 +85,53 @@ class FSClient:
         raise ShoalError(f"layer file system server did not start within {timeout:.0f}s (log: {log_path})")
 
     def load(self, layer_id: str) -> str:
-        self.call("load", id=layer_id)
+        """Serve the layer ROOT/layers/`layer_id` (its TOC and blob.json written); its mount point."""
+        self._call("load", id=layer_id)
         return os.path.join(self.mnt, layer_id)
 
-    def unload(self, layer_id: str) -> None:
-        self.call("unload", id=layer_id)
+    def unload(self, layer_id: str) -> bool:
+        """Stop serving the layer (its access trace goes); False if it was not loaded."""
+        return bool(self._call("unload", id=layer_id)["unloaded"])
 
     def status(self) -> dict:
-        return self.call("status")
+        """{"layers": [per layer figures], "uptime_s", "ops", "prefetch", "store": the data
+        path's figures (memory, chunk store, sources)}."""
+        return self._call("status")
+
+    def profile(self, layers: list[str] | None = None) -> list[list]:
+        """The access trace of the loaded layers (or of `layers`, digests): [[layer
+        digest, start, end], ...] in order of first use."""
+        return self._call("profile", layers=layers)["chunks"]
+
+    def prefetch(self, chunks: list | None = None, whole: list[str] | None = None) -> int:
+        """Fetch the chunks of `chunks` (access profile entries) in their order and every
+        chunk of the `whole` layers (digests) into the chunk store, on the server's own
+        threads; the number of chunks queued now (entries of layers not loaded yet wait)."""
+        return int(self._call("prefetch", **_entries(chunks, whole))["queued"])
+
+    def warmth(self, chunks: list | None = None, whole: list[str] | None = None) -> dict:
+        """How much of those chunks is in the chunk store: {"layers": [{digest, loaded,
+        target_chunks, target_bytes, warm_chunks, warm_bytes}], "prefetch": figures}."""
+        return self._call("warmth", **_entries(chunks, whole))
+
+    def prove(self, layer_id: str, urgent: bool = False, timeout: float = 60.0) -> dict:
+        """The loaded layer's proof: {"diff_id"} or {"error", "final"} (fs/proof.py)."""
+        return self._call("prove", timeout=timeout, id=layer_id, urgent=urgent)
+
+    def mark_bad(self, layer_id: str, reason: str) -> None:
+        """Every open and read of the loaded layer fails from now on (EIO), after restarts too."""
+        self._call("mark_bad", id=layer_id, reason=reason)
+
+    def swarm_stats(self) -> dict:
+        """The fetch chain's figures, with the swarm's (p2p/control.py `stats`)."""
+        return self._call("stats", timeout=30)["stats"]
+
+    def download(self, layer: str, timeout: float | None = None) -> dict:
+        """Bulk: the whole blob of a layer this node provides (digest or hex) through the
+        swarm, checked and seeded, within `timeout` seconds (the swarm's default: None):
+        {"path", "seconds"} (p2p/control.py `download`)."""
+        request = {"op": "download", "layer": layer, "timeout": timeout}
+        return localrpc.call(self.sock_path, request, (timeout or 600.0) + 30, "layer file system")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server by its PID and wait until the mount is gone."""
@@ -99,6 +147,16 @@ class FSClient:
         # means the process has exited, so nothing writes under ROOT after stop().
         while time.monotonic() < deadline and _alive(self.pid):
             time.sleep(0.05)
+
+
+def _entries(chunks: list | None, whole: list[str] | None) -> dict:
+    """The request's chunks and whole layers (absent ones left out, as the server reads them)."""
+    out: dict = {}
+    if chunks is not None:
+        out["chunks"] = [list(c) for c in chunks]
+    if whole is not None:
+        out["whole"] = list(whole)
+    return out
 
 
 def _alive(pid: int) -> bool:

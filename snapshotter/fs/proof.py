@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import BinaryIO, cast
 
 import zstandard
 
@@ -38,13 +39,14 @@ class _BlobStream:
 
     def __init__(self, read_ranges: Callable, blob: BlobRef) -> None:
         self.read_ranges, self.blob = read_ranges, blob
+        self.size = blob.size or 0  # (prove_blob checks that the size is known)
         self.offset = 0
         self.hash = hashlib.sha256()
         self._buf = b""
 
     def read(self, n: int = -1) -> bytes:
-        if not self._buf and self.offset < self.blob.size:
-            end = min(self.offset + PROOF_RANGE, self.blob.size)
+        if not self._buf and self.offset < self.size:
+            end = min(self.offset + PROOF_RANGE, self.size)
             try:
                 (self._buf,) = self.read_ranges(self.blob, [(self.offset, end)])
             except ShoalError as e:
@@ -64,7 +66,7 @@ def prove_blob(read_ranges: Callable, blob: BlobRef) -> str:
     stream = _BlobStream(read_ranges, blob)
     diff = hashlib.sha256()
     try:
-        with zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False) as z:
+        with zstandard.ZstdDecompressor().stream_reader(cast(BinaryIO, stream), read_across_frames=True, closefd=False) as z:
             while True:
                 data = z.read(1 << 20)
                 if not data:

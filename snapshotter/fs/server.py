@@ -10,8 +10,10 @@ restart of the node's control plane (gRPC, asyncio) does not take running contai
 files away: the node reconnects to this server by its socket. On start it loads every
 layer found under ROOT/layers, so a reboot restores the mounts too.
 
-Control ops: ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks? whole?},
-warmth {chunks? whole?}, prove {id, urgent?}, mark_bad {id, reason}.
+Control ops (snapshotter/fs/control.py, the node's one control socket; FSClient calls
+them): ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks? whole?},
+warmth {chunks? whole?}, prove {id, urgent?}, mark_bad {id, reason}, and the swarm's
+(p2p/control.py: stats, download) when the node's fetch chain has one.
 
 Proofs (fs/proof.py): `prove` answers, once it is known, the diff_id the layer's whole
 blob decompresses to, {"diff_id"} or {"error", "final"}. One computation per layer
@@ -23,10 +25,11 @@ own reads come first; an `urgent` one (a Prepare is waiting for it) starts at on
 ROOT/layers/<hex>/bad and survives restarts.
 
 Access profile: the server notes every chunk that reads use, once, in the order of their
-first use, per layer and ordered across layers (`profile` returns [[layer digest, start,
-end], ...]; a layer's trace goes when it is unloaded). `prefetch` takes such a list (an
-image's published profile, prefetch/profile.py) and fetches those chunks in that order on
-threads of its own, several chunks per request, before the reads ask for them.
+first use, per layer and ordered across layers (prefetch/trace.py; `profile` returns
+[[layer digest, start, end], ...]; a layer's trace goes when it is unloaded). `prefetch`
+takes such a list (an image's published profile, prefetch/profile.py) and fetches those
+chunks in that order on threads of its own, several chunks per request, before the reads
+ask for them (prefetch/warmup.py).
 Reads: file content comes from the TOC reader with the node's chunk loader (chunk store,
 then swarm/region/origin, verified); any failure is EIO plus a log line that names the
 layer, the file and the chunk. Metadata operations never touch the network.
@@ -35,8 +38,8 @@ layer, the file and the chunk. Metadata operations never touch the network.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
-import itertools
 import json
 import logging
 import os
@@ -45,17 +48,25 @@ import stat as statmod
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pyfuse3
 import trio
 
-from builder.format.reader import LayerReader
-from builder.format.toc import parse_toc
+from builder.format.reader import ChunkLoader, LayerReader
+from builder.format.toc import Chunk, parse_toc
+from cache.memory import ChunkMemory
 from cache.source import BlobRef
+from prefetch.trace import AccessTrace, LayerTrace
+from prefetch.warmup import WarmLoader, Warmup
 from shoal.errors import ShoalError
 from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir
+from shoal.localrpc import Server as ControlServer
+from snapshotter.assemble import DataPath, make_data_path
+from snapshotter.fs.control import SOCKET_NAME, NodeControl
 from snapshotter.fs.proof import ProofError, prove_blob
 from snapshotter.fs.view import LayerView, Node
 
@@ -64,12 +75,29 @@ log = logging.getLogger("shoal.fs")
 LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
 TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
 ROOT_TIMEOUT = 1.0  # the set of layers changes
-TRACE_LIMIT = 250_000  # chunks of one layer noted in its access trace (a 30 GB layer has ~120,000)
-PREFETCH_THREADS = 2
-PREFETCH_FIRST = 1 << 20  # compressed bytes of the first prefetch job
-PREFETCH_BATCH = 16 << 20  # and of the later ones (each doubles the one before)
 PROOF_NICE = 10  # CPU priority of the background proof thread (os.setpriority)
 BAD_FILE = "bad"  # ROOT/layers/<hex>/bad: the reason the layer is refused
+
+
+class LayerLoader(ChunkLoader, WarmLoader, Protocol):
+    """What the layer file system needs of one layer's chunk loader (the seam to the
+    cache: cache.loader.NodeChunkLoader fits; DataPath.loader makes one per layer).
+
+    load (builder's ChunkLoader) turns chunks into verified bytes, raising ShoalError
+    (EIO for the reader); it is called from the file system's worker threads, several at
+    once. The warm-up's calls (prefetch.warmup.WarmLoader) come from its own threads.
+    set_layout is called once, before any read; statistics() from the event loop."""
+
+    memory: ChunkMemory | None  # the node's decompressed chunks, shared with the layer's reader
+
+    def set_layout(self, chunks: Sequence[Chunk]) -> None:
+        """The layer's chunks from its TOC (read-ahead and prefetch go by it)."""
+        ...
+
+    def statistics(self) -> dict:
+        """The layer's figures: {fetched_chunks, fetched_bytes (compressed, from the
+        network), readahead_chunks, prefetched_chunks, fetch_seconds, decode_seconds}."""
+        ...
 
 
 @dataclass
@@ -79,13 +107,13 @@ class Layer:
     blob: BlobRef
     image: str
     view: LayerView
-    loader: object
+    loader: LayerLoader
     loaded_at: float
+    traced: LayerTrace  # its access trace (prefetch/trace.py)
     reads: int = 0
     read_bytes: int = 0
     errors: int = 0
     attrs: dict = field(default_factory=dict)  # inode -> EntryAttributes
-    traced: dict = field(default_factory=dict)  # chunk start -> (first-use sequence, end): the access trace
     bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
 
@@ -96,25 +124,22 @@ def layer_dir(root: str, layer_id: str) -> str:
 class LayerFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self, root: str, make_loader):
+    def __init__(self, root: str, make_loader: Callable[[BlobRef, str], LayerLoader],
+                 data_path: DataPath | None = None):
         super().__init__()
         self.root = root
-        self.make_loader = make_loader  # (blob, layer name) -> ChunkLoader
+        self.make_loader = make_loader  # (blob, layer name) -> its loader
+        self.data_path = data_path  # the node's data path the loaders come from (figures, close)
         self.layers: dict[str, Layer] = {}
         self.by_number: dict[int, Layer] = {}
         self._next_number = 1
         self.started = time.time()
         self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
-        self._trace_seq = itertools.count()  # orders first uses across layers
-        self._lock = threading.Lock()  # access traces and prefetch figures
-        self._prefetch_pool: ThreadPoolExecutor | None = None
-        self._waiting_prefetch: dict[str, list] = {}  # layer digest -> profile entries
-        self.prefetch_queued = 0
-        self._prefetch_jobs = 0  # queued or running
-        self._prefetch_since = 0.0
-        self._prefetch_done = 0
-        self.read_ranges = None  # (blob, ranges) -> bytes through the fetch chain: proofs need it
+        self._lock = threading.Lock()  # proofs
+        self.trace = AccessTrace()
+        self.warmup = Warmup(self.loaders)
+        self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs need it
         self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
         self._proof_pool: ThreadPoolExecutor | None = None
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
@@ -140,7 +165,7 @@ class LayerFS(pyfuse3.Operations):
             return self.layers[layer_id]
         return self.register(layer_id, *self.read_layer(layer_id))
 
-    def read_layer(self, layer_id: str) -> tuple[BlobRef, str, LayerView, object]:
+    def read_layer(self, layer_id: str) -> tuple[BlobRef, str, LayerView, LayerLoader]:
         """Everything of a layer but its registration: the TOC parsed and checked, the
         reader and the view (no state of the file system is touched, so this can run on
         a worker thread while the event loop goes on serving reads)."""
@@ -154,146 +179,34 @@ class LayerFS(pyfuse3.Operations):
             toc = parse_toc(f.read(), blob.size)
         name = f"layer {blob.digest} of {meta.get('image', '?')}"
         loader = self.make_loader(blob, name)
-        if hasattr(loader, "set_layout"):
-            loader.set_layout([c for e in toc.files() for c in e.chunks])
-        view = LayerView(LayerReader(toc, loader=loader, layer=name, memory=getattr(loader, "memory", None)))
+        loader.set_layout([c for e in toc.files() for c in e.chunks])
+        view = LayerView(LayerReader(toc, loader=loader, layer=name, memory=loader.memory))
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
         return blob, meta.get("image", ""), view, loader
 
-    def register(self, layer_id: str, blob: BlobRef, image: str, view: LayerView, loader: object) -> Layer:
+    def register(self, layer_id: str, blob: BlobRef, image: str, view: LayerView, loader: LayerLoader) -> Layer:
         """Serve a layer read by read_layer (on the event loop; a layer loaded meanwhile
         by another request wins)."""
         if layer_id in self.layers:
             return self.layers[layer_id]
-        layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time())
+        layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time(), self.trace.layer(blob.digest))
         try:
             with open(os.path.join(layer_dir(self.root, layer_id), BAD_FILE)) as f:
                 layer.bad = f.read().strip() or "marked bad"
         except FileNotFoundError:
             pass
-        view.reader.on_read = lambda chunks: self._note(layer, chunks)
+        view.reader.on_read = layer.traced.note
         self._next_number += 1
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
         log.info("loaded layer %s of %s (%d entries)", blob.digest, image or "?", len(view.reader.entries))
-        waiting = self._waiting_prefetch.pop(blob.digest, None)
-        if waiting:
-            log.info("prefetching %d chunks of layer %s", self.prefetch(waiting), blob.digest)
+        self.warmup.layer_loaded(blob.digest)
         return layer
 
-    def _note(self, layer: Layer, chunks) -> None:
-        """Add the chunks of a read to the layer's access trace (first use only)."""
-        traced = layer.traced
-        if len(traced) >= TRACE_LIMIT:
-            return
-        new = [c for c in chunks if c.start not in traced and c.digest and not c.zeros]
-        if not new:
-            return
-        with self._lock:
-            for c in new:
-                if c.start not in traced:
-                    traced[c.start] = (next(self._trace_seq), c.end)
-
-    def profile(self, digests=None) -> list[list]:
-        """The access profile of the loaded layers (or of those named in `digests`):
-        [[layer digest, start, end], ...] in order of first use across them."""
-        keep = set(digests) if digests else None
-        with self._lock:
-            rows = [(seq, layer.blob.digest, start, end) for layer in self.layers.values()
-                    if keep is None or layer.blob.digest in keep
-                    for start, (seq, end) in layer.traced.items()]
-        rows.sort()
-        return [[d, a, b] for _, d, a, b in rows]
-
-    def prefetch(self, entries) -> int:
-        """Fetch the chunks of `entries` ([[layer digest, start, end], ...], an access
-        profile) in that order, in jobs of one layer's chunks (PREFETCH_FIRST compressed
-        bytes, then twice as many each, up to PREFETCH_BATCH), on PREFETCH_THREADS
-        threads. Entries that are not chunks of their layer are skipped. Entries of a
-        layer not loaded yet wait for it (the node sends the profile while containerd still prepares the image's
-        layers). Returns the number of chunks queued now."""
-        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
-        jobs: list[list] = []
-        queued = 0
-        waiting: dict[str, list] = {}
-        for entry in entries:
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
-                continue
-            layer = by_digest.get(entry[0])
-            if layer is None:  # its turn comes when it is loaded
-                waiting.setdefault(entry[0], []).append(entry)
-                continue
-            chunks_at = getattr(layer.loader, "chunks_at", None)
-            chunks = chunks_at([entry[1:]]) if chunks_at else []
-            if not chunks:
-                continue
-            c = chunks[0]
-            # jobs grow from PREFETCH_FIRST to PREFETCH_BATCH: the first chunks come soon,
-            # the rest in few requests (a job's chunks are fetched in blob order)
-            budget = min(PREFETCH_BATCH, PREFETCH_FIRST << max(len(jobs) - 1, 0))
-            if jobs and jobs[-1][0] is layer.loader and jobs[-1][2] + c.end - c.start <= budget:
-                jobs[-1][1].append(c)
-                jobs[-1][2] += c.end - c.start
-            else:
-                jobs.append([layer.loader, [c], c.end - c.start])
-            queued += 1
-        self._waiting_prefetch.update(waiting)  # a newer profile of a layer replaces an older one
-        if not jobs:
-            return 0
-        if self._prefetch_pool is None:
-            self._prefetch_pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="shoal-prefetch")
-        with self._lock:
-            if not self._prefetch_jobs:
-                self._prefetch_since, self._prefetch_done = time.monotonic(), 0
-            self._prefetch_jobs += len(jobs)
-        for loader, chunks, _ in jobs:
-            self._prefetch_pool.submit(self._prefetch_job, loader, chunks)
-        self.prefetch_queued += queued
-        return queued
-
-    def whole_layers(self, digests) -> list[list]:
-        """Every chunk of the loaded layers among `digests`, as profile entries (a layer
-        not loaded has none yet)."""
-        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
-        return [[d, c.start, c.end] for d in digests if d in by_digest
-                for c in getattr(by_digest[d].loader, "layout", list)()]
-
-    def warmth(self, entries) -> list[dict]:
-        """How much of `entries` (profile entries, or whole_layers) is in the chunk store,
-        per layer named: {digest, loaded, target_chunks, target_bytes, warm_chunks,
-        warm_bytes} (compressed bytes). Entries that are not chunks of their layer do not
-        count (prefetch skips them too); a layer not loaded is not warm."""
-        by_digest = {layer.blob.digest: layer for layer in self.layers.values()}
-        out: dict[str, dict] = {}
-        for entry in entries:
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not isinstance(entry[0], str):
-                continue
-            row = out.setdefault(entry[0], {"digest": entry[0], "loaded": entry[0] in by_digest, "target_chunks": 0,
-                                            "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0})
-            layer = by_digest.get(entry[0])
-            chunks_at = getattr(layer.loader, "chunks_at", None) if layer else None
-            for c in chunks_at([entry[1:]]) if chunks_at else []:
-                row["target_chunks"] += 1
-                row["target_bytes"] += c.end - c.start
-                if layer.loader.stored(c.digest):
-                    row["warm_chunks"] += 1
-                    row["warm_bytes"] += c.end - c.start
-        return list(out.values())
-
-    def _prefetch_job(self, loader, chunks) -> None:
-        done = 0
-        try:
-            done = loader.prefetch(chunks)
-        except Exception:  # noqa: BLE001 - a prefetch is an optimisation: the reads fetch what it misses
-            log.exception("prefetch of %d chunks of %s failed", len(chunks), getattr(loader, "layer", "?"))
-        with self._lock:
-            self._prefetch_jobs -= 1
-            self._prefetch_done += done
-            if self._prefetch_jobs:
-                return
-            seconds, fetched = time.monotonic() - self._prefetch_since, self._prefetch_done
-        log.info("prefetch done: %d chunks fetched in %.2fs (the others were here or on their way)", fetched, seconds)
+    def loaders(self) -> dict[str, WarmLoader]:
+        """The loaded layers' loaders by layer digest (the warm-up's view of them)."""
+        return {layer.blob.digest: layer.loader for layer in self.layers.values()}
 
     # --- proofs -----------------------------------------------------------------------------
 
@@ -324,6 +237,8 @@ class LayerFS(pyfuse3.Operations):
             entry[1] = True
         started = time.monotonic()
         try:
+            if self.read_ranges is None:
+                raise ShoalError("no fetch chain to read the blob through")
             diff_id = prove_blob(self.read_ranges, layer.blob)
             answer: dict = {"diff_id": diff_id}
             log.info("proof of layer %s of %s: diff_id %s (%.1fs)", layer.blob.digest, layer.image or "?",
@@ -331,7 +246,7 @@ class LayerFS(pyfuse3.Operations):
         except ProofError as e:
             answer = {"error": f"layer {layer.blob.digest}: {e}", "final": e.final}
             log.warning("proof of layer %s of %s: %s", layer.blob.digest, layer.image or "?", e)
-        except Exception as e:  # noqa: BLE001 - a bug answers as a failed attempt, never as a proof
+        except Exception as e:
             log.exception("proof of layer %s failed", layer.blob.digest)
             answer = {"error": f"layer {layer.blob.digest}: {type(e).__name__}: {e}", "final": False}
         entry[0].set_result(answer)
@@ -382,33 +297,30 @@ class LayerFS(pyfuse3.Operations):
         if layer is None:
             return False
         del self.by_number[layer.number]
-        try:
+        self.trace.forget(layer.blob.digest)
+        with contextlib.suppress(Exception):  # best effort: the entry times out anyway
             pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, layer_id.encode())
-        except Exception:  # noqa: BLE001 - best effort: the entry times out anyway
-            pass
         log.info("unloaded layer %s", layer.blob.digest)
         return True
 
     def status(self) -> dict:
         layers = []
         for layer in self.layers.values():
-            loader = layer.loader
+            figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in layer.loader.statistics().items()}
             layers.append({
                 "id": layer.id, "digest": layer.blob.digest, "image": layer.image,
                 "registry": layer.blob.registry, "repository": layer.blob.repository,
                 "reads": layer.reads, "read_bytes": layer.read_bytes, "errors": layer.errors,
-                "fetched_chunks": getattr(loader, "fetched_chunks", 0),
-                "fetched_bytes": getattr(loader, "fetched_bytes", 0),
-                "readahead_chunks": getattr(loader, "readahead_chunks", 0),
-                "prefetched_chunks": getattr(loader, "prefetched_chunks", 0),
-                "fetch_seconds": round(getattr(loader, "fetch_seconds", 0.0), 3),
-                "decode_seconds": round(getattr(loader, "decode_seconds", 0.0), 3),
-                **self.proof_state(layer),
+                **figures, **self.proof_state(layer),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
-        prefetch = {"queued_chunks": self.prefetch_queued, "jobs_pending": self._prefetch_jobs,
-                    "layers_waiting": len(self._waiting_prefetch)}
-        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops, "prefetch": prefetch}
+        return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops,
+                "prefetch": self.warmup.statistics()}
+
+    def data_path_statistics(self) -> dict:
+        """The figures of the whole data path the layers read through (memory, chunk
+        store, each source of the fetch chain, single flight): DataPath.statistics()."""
+        return self.data_path.statistics() if self.data_path else {}
 
     # --- inode plumbing -------------------------------------------------------------------
 
@@ -459,8 +371,10 @@ class LayerFS(pyfuse3.Operations):
         return a
 
     def _layer_root_attrs(self, layer: Layer) -> pyfuse3.EntryAttributes:
-        a = self._attrs(layer, layer.view.node(1))
-        return a
+        root = layer.view.node(1)  # (every layer's view has its root)
+        if root is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(layer, root)
 
     # --- FUSE operations ------------------------------------------------------------------
 
@@ -551,7 +465,7 @@ class LayerFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO) from None
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except Exception:  # noqa: BLE001 - a bug must not take the mount down
+        except Exception:
             layer.errors += 1
             log.exception("read %s of %s failed", node.path, layer.blob.digest)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -601,93 +515,12 @@ class LayerFS(pyfuse3.Operations):
         return s
 
 
-# --- control socket -----------------------------------------------------------------------
-
-
-async def _handle(fs: LayerFS, stream: trio.SocketStream) -> None:
-    buf = b""
-    async with stream:
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                reply = await _dispatch(fs, line)
-                await stream.send_all(json.dumps(reply).encode() + b"\n")
-
-
-async def _dispatch(fs: LayerFS, line: bytes) -> dict:
-    try:
-        req = json.loads(line)
-        op = req.get("op")
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid()}
-        if op == "load":
-            layer_id = str(req["id"])
-            layer = fs.layers.get(layer_id)
-            if layer is None:  # parsing a large TOC takes a while: not on the event loop
-                layer = fs.register(layer_id, *await trio.to_thread.run_sync(fs.read_layer, layer_id))
-            return {"ok": True, "number": layer.number}
-        if op == "unload":
-            return {"ok": True, "unloaded": fs.unload(str(req["id"]))}
-        if op == "status":
-            return {"ok": True, **fs.status(), "store": fs_store_stats(fs)}
-        if op == "profile":
-            return {"ok": True, "chunks": fs.profile(req.get("layers"))}
-        if op == "prove":
-            future = fs.prove(str(req["id"]), bool(req.get("urgent")))
-            answer = await trio.to_thread.run_sync(future.result, limiter=_PROOF_WAITERS)
-            return {"ok": True, **answer}
-        if op == "mark_bad":
-            fs.mark_bad(str(req["id"]), str(req.get("reason") or "marked bad"))
-            await trio.to_thread.run_sync(fs.drop_cached_pages, str(req["id"]))
-            return {"ok": True}
-        if op in ("prefetch", "warmth"):
-            entries, whole = req.get("chunks", []), req.get("whole", [])
-            if not isinstance(entries, list) or not isinstance(whole, list):
-                raise ValueError(f"{op} needs lists of chunks and of whole layers")
-            entries = entries + fs.whole_layers(whole)
-            if op == "warmth":  # (whole layers not loaded yet: named, not warm)
-                rows = fs.warmth(entries)
-                named = {r["digest"] for r in rows}
-                loaded = {layer.blob.digest for layer in fs.layers.values()}
-                rows += [{"digest": d, "loaded": d in loaded, "target_chunks": 0, "target_bytes": 0, "warm_chunks": 0,
-                          "warm_bytes": 0} for d in whole if isinstance(d, str) and d not in named]
-                return {"ok": True, "layers": rows, "prefetch": fs.status()["prefetch"]}
-            return {"ok": True, "queued": fs.prefetch(entries)}
-        return {"ok": False, "error": f"unknown op {op!r}"}
-    except (ShoalError, OSError, ValueError, KeyError) as e:
-        log.error("control %s: %s", line[:200], e)
-        return {"ok": False, "error": str(e) or type(e).__name__}
-
-
-_PROOF_WAITERS = trio.CapacityLimiter(32)  # control calls waiting for a proof (not the reads' threads)
-
-
 def _lower_priority() -> None:
     """Lower the CPU priority of the calling thread alone (Linux: a thread is a task)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROOF_NICE)
     except OSError as e:
         log.warning("cannot lower the priority of the proof thread: %s", e)
-
-
-def fs_store_stats(fs: LayerFS) -> dict:
-    path = getattr(fs, "data_path", None)
-    return path.statistics() if path else {}
-
-
-async def serve_control(fs: LayerFS, path: str) -> None:
-    if os.path.exists(path):
-        os.unlink(path)
-    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, 0o600)
-    sock.listen(64)
-    listener = trio.SocketListener(sock)
-    await trio.serve_listeners(lambda s: _handle(fs, s), [listener])
 
 
 # --- process ------------------------------------------------------------------------------
@@ -720,20 +553,18 @@ def set_readahead(mnt: str, kb: int) -> None:
 
 def build_fs(root: str, config: dict) -> LayerFS:
     """The file system with the node's fetch chain and chunk store (from config)."""
-    from snapshotter.assemble import make_data_path
-
     path = make_data_path(root, config)
-    fs = LayerFS(root, path.loader)
-    fs.data_path = path  # type: ignore[attr-defined]
-    fs.read_ranges = path.read_ranges
-    return fs
+    return LayerFS(root, path.loader, path)
 
 
 async def _main(fs: LayerFS, root: str) -> None:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve_control, fs, os.path.join(root, "fs.sock"))
+    # the node's one control socket, bound once the event loop runs (its ops reach it)
+    control = NodeControl(fs, trio.lowlevel.current_trio_token(), fs.data_path.swarm_ops if fs.data_path else None)
+    server = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
+    try:
         await pyfuse3.main()
-        nursery.cancel_scope.cancel()
+    finally:
+        server.close()
 
 
 def run(root: str, config: dict) -> int:
@@ -742,7 +573,7 @@ def run(root: str, config: dict) -> int:
     os.makedirs(mnt, mode=0o700, exist_ok=True)
     private_dir(os.path.join(root, "layers"))
     if os.path.ismount(mnt):  # a server that died without unmounting
-        os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")  # noqa: S605
+        os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")
     fs = build_fs(root, config)
     for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
         try:
@@ -769,9 +600,8 @@ def run(root: str, config: dict) -> int:
     finally:
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", mnt)
-        path = getattr(fs, "data_path", None)
-        if path is not None:
-            path.close(10.0)
+        if fs.data_path is not None:
+            fs.data_path.close(10.0)
     return 0
 
 

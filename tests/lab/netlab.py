@@ -535,7 +535,7 @@ def fs_server_pid(root: Path | str) -> int | None:
     from snapshotter.fs.client import FSClient
 
     try:
-        return FSClient(str(root)).call("ping", timeout=2)["pid"]
+        return FSClient(str(root)).ping(timeout=2)["pid"]
     except (OSError, ValueError, KeyError, ShoalError):
         return None
 
@@ -553,7 +553,7 @@ def _toml(tables: dict[str, dict]) -> str:
 @dataclass
 class LabNode:
     """A `shoal node` in a node namespace (start_nodes): its gRPC socket, root (the layer
-    file system mounts at ROOT/mnt/<hex>), swarm control socket and figures."""
+    file system mounts at ROOT/mnt/<hex>), control socket (ROOT/fs.sock) and figures."""
 
     host: Host
     proc: subprocess.Popen
@@ -580,7 +580,7 @@ class LabNode:
     def provide(self, lab: Lab, image: LabImage) -> list[Path]:
         """Prepare the image's layers through the node's Snapshots API (what containerd's
         unpacker or `shoal pull` sends); the lazy layers' mount points."""
-        from snapshotter.pull import provide_layers
+        from tests.lab.provide import provide_layers
 
         layers = provide_layers(str(self.socket), image.name, image.manifest_digest, image.layers,
                                 image.diff_ids)  # plain HTTP: the node's plain_http_hosts
@@ -600,16 +600,12 @@ class LabNode:
             raise RuntimeError(f"shoal status of {self.host.ip}: {out.stderr[-1000:]}")
         return json.loads(out.stdout)
 
-    def control(self, request: dict, timeout: float = 120) -> dict:
-        """A request to the node's swarm control socket (p2p/control.py)."""
-        from p2p.control import SOCKET_NAME
-        from shoal.localrpc import call
-
-        return call(str(self.root / SOCKET_NAME), request, timeout)
-
     def download(self, digest: str, timeout: float = 120) -> str:
-        """Bulk: the whole layer blob through the swarm; the complete file's path."""
-        return self.control({"op": "download", "layer": digest, "timeout": timeout}, timeout + 30)["path"]
+        """Bulk: the whole layer blob through the swarm (the node's control socket); the
+        complete file's path."""
+        from snapshotter.fs.client import FSClient
+
+        return FSClient(str(self.root)).download(digest, timeout)["path"]
 
     def metrics(self, lab: Lab) -> str:
         return http_get(lab, self.host, f"http://{self.metrics_address}/metrics")[0]

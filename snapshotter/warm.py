@@ -1,4 +1,5 @@
-"""Warm the local node for an image: `shoal prefetch REF --root DIR` (per-node hooks).
+"""Warm the local node for an image: `shoal prefetch REF --root DIR` (per-node hooks),
+through the node's control socket (snapshotter/fs/client.py) and its RemoteLayers.
 
 What "warm" means is measured by the node's layer file system (its `warmth` op), never
 assumed from a finished request:
@@ -12,8 +13,9 @@ assumed from a finished request:
 Layers without a TOC (to be unpacked at prepare) are not warmed here; they are named in
 the result (`unpacked_layers`). The work is the node's own: the layers are loaded by
 RemoteLayers' warm-up (snapshotter/remote.py, as at an image's first prepare) and the
-chunks fetched by the layer file system's prefetch threads through the node's fetch
-chain, so they land in its store and a later `shoal pull` + start finds them there.
+chunks fetched by the layer file system's prefetch threads (prefetch/warmup.py) through
+the node's fetch chain, so they land in its store and a later `shoal pull` + start finds
+them there.
 
 States: the image is "ready" (warm), "running" (not yet; returned without --wait),
 "timeout" or "failed"; the node "warm", "warming", "timeout" or "failed" with an error.
@@ -31,37 +33,17 @@ from dataclasses import dataclass, field
 
 from builder.format.footer import location_from_annotations
 from cache.source import BlobRef
+from prefetch.profile import Profile
+from prefetch.warmup import Warmth
 from shoal.errors import ShoalError
+from snapshotter.fs.client import FSClient
+from snapshotter.remote import RemoteLayers
 
 log = logging.getLogger("shoal.prefetch")
 
 MODES = ("profile", "full")
 POLL_S = 0.2
 STALLED_ROUNDS = 5  # re-asked prefetches in a row that brought no chunk: failed
-
-
-@dataclass
-class Warmth:
-    """What the node's layer file system measured for one image."""
-
-    layers: list[dict]  # the warmth op's rows, one per lazy layer
-    jobs_pending: int = 0
-
-    @property
-    def target_bytes(self) -> int:
-        return sum(r["target_bytes"] for r in self.layers)
-
-    @property
-    def warm_bytes(self) -> int:
-        return sum(r["warm_bytes"] for r in self.layers)
-
-    @property
-    def not_loaded(self) -> list[str]:
-        return [r["digest"] for r in self.layers if not r["loaded"]]
-
-    @property
-    def warm(self) -> bool:
-        return not self.not_loaded and self.warm_bytes == self.target_bytes
 
 
 @dataclass
@@ -77,9 +59,6 @@ class LocalPrefetch:
     config: dict = field(default_factory=dict)  # the node's [fetch] table, as a dict
 
     def __post_init__(self) -> None:
-        from snapshotter.fs.client import FSClient
-        from snapshotter.remote import RemoteLayers
-
         self.fs = FSClient(self.root, self.config)
         if not self.fs.running():
             raise ShoalError(f"no layer file system runs at {self.root}: start `shoal node --root {self.root}` first")
@@ -87,22 +66,22 @@ class LocalPrefetch:
         self.remote = RemoteLayers(self.root, {**self.config, "prefetch_profiles": True}, self.fs)
         self.lazy = [d.digest for d in self.descriptors if location_from_annotations(d.annotations) is not None]
         self.unpacked = [d.digest for d in self.descriptors if d.digest not in self.lazy]
-        self.profile = None
-        self._asked: dict = {}
+        self.profile: Profile | None = None
+        self._chunks: list | None = None  # what this job asks the layer fs for: profile entries,
+        self._whole: list[str] | None = None  # or whole layers
 
     def start(self) -> None:
         """Load the lazy layers' TOCs (waits for them) and hand the chunks to fetch to
         the layer file system (which fetches them on its own threads)."""
-        self.profile = self.remote._warm_layers(self.blob, self.manifest, self.image)
-        self.remote._warm_pool.shutdown(wait=True)
+        self.profile = self.remote.warm_image(self.blob, self.manifest, self.image)
         if self.mode == "profile":
-            self._asked = {"chunks": [list(c) for c in self.profile.chunks] if self.profile else []}
+            self._chunks = [list(c) for c in self.profile.chunks] if self.profile else []
         else:
-            self._asked = {"whole": self.lazy}
-            self.fs.call("prefetch", **self._asked)
+            self._whole = self.lazy
+            self.fs.prefetch(whole=self._whole)
 
     def measure(self) -> Warmth:
-        reply = self.fs.call("warmth", **self._asked)
+        reply = self.fs.warmth(self._chunks, self._whole)
         rows = {r["digest"]: r for r in reply["layers"]}
         empty = {"target_chunks": 0, "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0}
         loaded = {ly["digest"] for ly in self.fs.status().get("layers", [])}
@@ -130,7 +109,7 @@ class LocalPrefetch:
                 best = max(best, w.warm_bytes)
                 if stalled >= STALLED_ROUNDS:
                     return "failed", w, self.missing(w) + f" (fetches fail: see {self.root}/logs/fs.log)"
-                self.fs.call("prefetch", **self._asked)
+                self.fs.prefetch(self._chunks, self._whole)
             time.sleep(POLL_S)
 
     def missing(self, w: Warmth) -> str:

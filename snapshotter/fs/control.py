@@ -1,0 +1,147 @@
+"""The node's one control socket, ROOT/fs.sock, served by the layer file system process
+(which owns the FUSE mount and the node's fetch chain, and so its swarm). One JSON
+request per line, one JSON answer per line (shoal/localrpc.py: `call` and `Server`);
+snapshotter/fs/client.py FSClient has a typed method for every op:
+
+    {"op": "ping"}                                    -> {"pid"[, "listen_port" of the swarm]}
+    {"op": "load", "id": HEX}                         -> {"number"}
+    {"op": "unload", "id": HEX}                       -> {"unloaded": bool}
+    {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
+                                                          "store": the data path's figures}
+    {"op": "profile", "layers": [DIGEST]?}            -> {"chunks": [[digest, start, end], ...]}
+    {"op": "prefetch", "chunks": [ENTRY]?, "whole": [DIGEST]?}  -> {"queued"}
+    {"op": "warmth", "chunks": [ENTRY]?, "whole": [DIGEST]?}    -> {"layers": [row], "prefetch"}
+    {"op": "prove", "id": HEX, "urgent": bool?}       -> {"diff_id"} | {"error", "final"}
+    {"op": "mark_bad", "id": HEX, "reason": TEXT}     -> {}
+    {"op": "stats"}, {"op": "download", ...}          -> the swarm's ops (p2p/control.py), when
+                                                         the node's fetch chain has a swarm
+
+HEX is a layer's blob digest hex (ROOT/layers/HEX), ENTRY an access profile's row
+(prefetch/profile.py); warmth rows and the prefetch figures are prefetch/warmup.py's.
+("store" keeps its name on the wire: a node talks to a server started by the one before.)
+
+Threads: localrpc.Server answers each connection on a thread of its own. The file
+system's state belongs to its trio event loop, so every op that touches it runs there
+(trio.from_thread with the loop's token); what takes long (parsing a TOC, waiting for a
+proof, a swarm download, dropping cached pages) stays on the connection's thread.
+Errors: an op raises ShoalError, OSError, ValueError or KeyError, logged here and
+answered {"ok": false, "error"} by the server; an unknown op is a ShoalError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    from snapshotter.fs.server import LayerFS
+
+log = logging.getLogger("shoal.fs")
+
+SOCKET_NAME = "fs.sock"  # ROOT/fs.sock
+SWARM_OPS = ("stats", "download")  # served by the swarm's Control (p2p/control.py)
+
+Ops = Callable[[dict], dict]
+
+
+class NodeControl:
+    """The ops of the node's control socket over one layer file system and, when the
+    node's fetch chain has a swarm, the swarm's ops (`swarm`: p2p/control.Control.handle)."""
+
+    def __init__(self, fs: LayerFS, token: trio.lowlevel.TrioToken, swarm: Ops | None = None) -> None:
+        self.fs, self._token, self.swarm = fs, token, swarm
+        self.ops: dict[str, Ops] = {
+            "ping": self.ping, "load": self.load, "unload": self.unload, "status": self.status,
+            "profile": self.profile, "prefetch": self.prefetch, "warmth": self.warmth, "prove": self.prove,
+            "mark_bad": self.mark_bad, **dict.fromkeys(SWARM_OPS, self.swarm_op),
+        }
+
+    def handle(self, req: dict) -> dict:
+        op = req.get("op")
+        fn = self.ops.get(op) if isinstance(op, str) else None
+        if fn is None:
+            raise ShoalError(f"unknown op {op!r}")
+        try:
+            return fn(req)
+        except (ShoalError, OSError, ValueError, KeyError) as e:
+            log.error("control %s: %s", json.dumps(req)[:200], e)
+            raise
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the file system's event loop (the only accessor of its state)."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    # --- the layer file system's ops
+
+    def ping(self, req: dict) -> dict:
+        out = {"pid": os.getpid()}
+        if self.swarm is not None:
+            out.update(self.swarm({"op": "ping"}))
+        return out
+
+    def load(self, req: dict) -> dict:
+        layer_id = str(req["id"])
+        layer = self._on_loop(self.fs.layers.get, layer_id)
+        if layer is None:  # parsing a large TOC takes a while: not on the event loop
+            layer = self._on_loop(self.fs.register, layer_id, *self.fs.read_layer(layer_id))
+        return {"number": layer.number}
+
+    def unload(self, req: dict) -> dict:
+        return {"unloaded": self._on_loop(self.fs.unload, str(req["id"]))}
+
+    def status(self, req: dict) -> dict:
+        return self._on_loop(lambda: {**self.fs.status(), "store": self.fs.data_path_statistics()})
+
+    def profile(self, req: dict) -> dict:
+        return {"chunks": self.fs.trace.profile(req.get("layers"))}  # (the trace is thread-safe)
+
+    def _entries(self, req: dict) -> tuple[list, list]:
+        entries, whole = req.get("chunks", []), req.get("whole", [])
+        if not isinstance(entries, list) or not isinstance(whole, list):
+            # a malformed request is a ValueError, answered as such (a TypeError would be a bug's)
+            raise ValueError(f"{req.get('op')} needs lists of chunks and of whole layers")  # noqa: TRY004
+        return entries, whole
+
+    def prefetch(self, req: dict) -> dict:
+        entries, whole = self._entries(req)
+        warmup = self.fs.warmup
+        return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole)))}
+
+    def warmth(self, req: dict) -> dict:
+        entries, whole = self._entries(req)
+
+        def measure() -> dict:
+            warmup = self.fs.warmup
+            rows = warmup.warmth(entries + warmup.whole_layers(whole))
+            named = {r["digest"] for r in rows}
+            loaded = {layer.blob.digest for layer in self.fs.layers.values()}
+            # whole layers not loaded yet: named, not warm
+            rows += [{"digest": d, "loaded": d in loaded, "target_chunks": 0, "target_bytes": 0, "warm_chunks": 0,
+                      "warm_bytes": 0} for d in whole if isinstance(d, str) and d not in named]
+            return {"layers": rows, "prefetch": warmup.statistics()}
+
+        return self._on_loop(measure)
+
+    def prove(self, req: dict) -> dict:
+        future = self._on_loop(self.fs.prove, str(req["id"]), bool(req.get("urgent")))
+        return dict(future.result())  # waits on this connection's thread
+
+    def mark_bad(self, req: dict) -> dict:
+        layer_id = str(req["id"])
+        self._on_loop(self.fs.mark_bad, layer_id, str(req.get("reason") or "marked bad"))
+        self.fs.drop_cached_pages(layer_id)
+        return {}
+
+    # --- the swarm's
+
+    def swarm_op(self, req: dict) -> dict:
+        if self.swarm is None:
+            raise ShoalError(f"{req.get('op')}: the swarm is off on this node")
+        return self.swarm(req)
