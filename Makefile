@@ -1,6 +1,9 @@
 # shoal developer entry points. `make help` lists them.
 .PHONY: help install demo test test-fast bench lint
 
+# ruff over the tree, mypy over the product packages ([tool.mypy] in pyproject.toml)
+LINT = .venv/bin/python -m ruff check --quiet . && .venv/bin/python -m mypy --no-error-summary
+
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 
@@ -10,7 +13,8 @@ install:  ## apt packages and .venv (idempotent)
 demo: install  ## the main job on embedded defaults: local registry, real image, convert, inspect
 	@.venv/bin/python scripts/demo.py
 
-test: install  ## the whole test suite (root: registry, containerd, FUSE)
+test: install  ## lint, then the whole test suite (root: registry, containerd, FUSE)
+	@$(LINT)
 	@.venv/bin/python -m pytest -q tests
 
 test-fast: install  ## tests that need no daemons
@@ -20,5 +24,4 @@ bench: install  ## all benchmarks, quick versions
 	@for b in bench/*.py; do .venv/bin/python $$b --quick; done
 
 lint: install  ## ruff over the tree, mypy over the product packages (both pinned in .venv)
-	@.venv/bin/python -m ruff check --quiet .
-	@.venv/bin/python -m mypy
+	@$(LINT)

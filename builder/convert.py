@@ -12,8 +12,6 @@ gives the same digests.
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import logging
 import os
@@ -21,12 +19,8 @@ import shutil
 import sqlite3
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO
-
-import zstandard
 
 from builder.format.footer import location_from_annotations
 from builder.format.writer import LayerWriter, WriterOptions
@@ -38,6 +32,7 @@ from builder.oci.refs import (
     open_source,
     parse_reference,
 )
+from builder.tarstream import Decompressing, hash_tar
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
 from shoal.errors import FormatError, ShoalError, UsageError
@@ -81,29 +76,7 @@ class LayerReport:
 Progress = Callable[[str, int, int], None]  # (label, done bytes, total bytes or 0)
 
 
-class _Decompressing:
-    """A read(n) stream of a layer's tar, whatever the blob's compression."""
-
-    def __init__(self, blob: BinaryIO, compression: str, what: str):
-        self.what = what
-        self._blob = blob
-        if compression == "gzip":
-            self._stream: BinaryIO = gzip.GzipFile(fileobj=blob, mode="rb")  # type: ignore[assignment]
-        elif compression == "zstd":
-            self._stream = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True)
-        else:
-            self._stream = blob
-
-    def read(self, n: int = -1) -> bytes:
-        try:
-            return self._stream.read(n)
-        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:
-            if isinstance(e, ShoalError):
-                raise
-            raise FormatError(f"{self.what}: cannot decompress ({e})") from None
-
-
-def _platform_of(desc: dict) -> str:
+def platform_of(desc: dict) -> str:
     p = desc.get("platform") or {}
     text = f"{p.get('os', '?')}/{p.get('architecture', '?')}"
     if p.get("variant"):
@@ -114,7 +87,7 @@ def _platform_of(desc: dict) -> str:
 def _platform_matches(desc: dict, wanted: list[str]) -> bool:
     if not wanted:
         return True
-    have = _platform_of(desc)
+    have = platform_of(desc)
     return any(have == w or have.startswith(w + "/") for w in wanted)
 
 
@@ -186,7 +159,7 @@ class Converter:
             raise FormatError(f"{self.src.reference}: index lists no manifests")
         selected = [d for d in descs if _platform_matches(d, self.opt.platforms)]
         if not selected:
-            have = ", ".join(sorted({_platform_of(d) for d in descs}))
+            have = ", ".join(sorted({platform_of(d) for d in descs}))
             raise UsageError(f"{self.src.reference}: no manifest for {', '.join(self.opt.platforms)} (has {have})")
         new_descs = []
         changed = len(selected) != len(descs) or root.media_type != mt.OCI_INDEX
@@ -195,7 +168,7 @@ class Converter:
             if d.get("mediaType") in mt.INDEX_TYPES:
                 raise FormatError(f"{self.src.reference}: nested indexes are not supported ({digest})")
             child = self.src.get_manifest(digest)
-            new_child = self._convert_manifest(child, platform=_platform_of(d))
+            new_child = self._convert_manifest(child, platform=platform_of(d))
             self.dst.put_manifest(new_child)
             nd = dict(d)
             nd.update(mediaType=new_child.media_type, digest=new_child.digest, size=len(new_child.data))
@@ -285,7 +258,7 @@ class Converter:
             # (Old-variant layers, without tar-split, are rewritten below.)
             def check(path: str) -> None:
                 with open(path, "rb") as f:
-                    got, n = _hash_tar(_Decompressing(f, "zstd", what))
+                    got, n = hash_tar(Decompressing(f, "zstd", what))
                 if got != diff_id:
                     raise FormatError(f"{what}: uncompressed content has digest {got}, the config's diff_id is {diff_id}")
                 report.bytes_in = n
@@ -308,7 +281,7 @@ class Converter:
         )
         try:
             with self.src.open_blob(src_digest, size) as blob, open(out_path, "wb") as out:
-                stream = _Decompressing(blob, compression, what)
+                stream = Decompressing(blob, compression, what)
                 # An uncompressed blob is the tar: its digest, checked as it is read, is
                 # the diff_id, so the writer need not hash the tar again.
                 known = diff_id if compression == "none" and src_digest == diff_id else None
@@ -344,15 +317,6 @@ class Converter:
             what, result.digest, result.files, result.chunks, result.tar_size, result.size, report.seconds,
         )
         return new_desc
-
-
-def _hash_tar(stream) -> tuple[str, int]:
-    sha = hashlib.sha256()
-    n = 0
-    while data := stream.read(4 << 20):
-        sha.update(data)
-        n += len(data)
-    return "sha256:" + sha.hexdigest(), n
 
 
 def dedup_report(layers: list[LayerReport], index: _ChunkIndex | None, where: str) -> dict:

@@ -8,13 +8,14 @@ import logging
 import tempfile
 from typing import BinaryIO
 
-from builder.convert import _Decompressing, _hash_tar, _platform_of
+from builder.convert import platform_of
 from builder.format.footer import FOOTER_SIZE, TocLocation, location_from_annotations, parse_footer
 from builder.format.reader import decode_chunk
 from builder.format.toc import Toc, decompress_toc, parse_toc
 from builder.oci.base import ImageSource, Manifest
 from builder.oci.documents import parse_config, parse_index, parse_manifest
 from builder.oci.refs import open_source
+from builder.tarstream import Decompressing, hash_tar
 from shoal import mediatypes as mt
 from shoal.digest import check_digest
 from shoal.errors import DigestMismatch, FormatError, ShoalError
@@ -77,7 +78,7 @@ def verify_layer(src: ImageSource, desc: dict, diff_id: str | None, toc: Toc | N
                 tmp.write(data)
         tmp.flush()
         tmp.seek(0)
-        got, _ = _hash_tar(_Decompressing(tmp, compression, what))
+        got, _ = hash_tar(Decompressing(tmp, compression, what))
         if diff_id is not None and got != diff_id:
             raise DigestMismatch(f"{what}: uncompressed digest {got}, config diff_id {diff_id}")
         if toc is not None and loc is not None:
@@ -116,7 +117,7 @@ def _manifests(src: ImageSource) -> list[tuple[str | None, Manifest]]:
     out: list[tuple[str | None, Manifest]] = []
     for d in parse_index(root.data, src.reference).manifests:
         if d.media_type in mt.MANIFEST_TYPES:
-            out.append((_platform_of(d.raw), src.get_manifest(d.digest)))
+            out.append((platform_of(d.raw), src.get_manifest(d.digest)))
     return out
 
 

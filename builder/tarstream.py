@@ -13,11 +13,16 @@ and unknown entry types, bad checksums, truncated streams.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from shoal.errors import FormatError
+import zstandard
+
+from shoal.errors import FormatError, ShoalError
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
@@ -473,3 +478,35 @@ class LayerEntries:
             raise FormatError("duplicate entry: the layer has this name twice")
         self.seen[clean] = kind
         return clean
+
+
+class Decompressing:
+    """A read(n) stream of a layer's tar, whatever the blob's compression."""
+
+    def __init__(self, blob: BinaryIO, compression: str, what: str):
+        self.what = what
+        self._blob = blob
+        if compression == "gzip":
+            self._stream: BinaryIO = gzip.GzipFile(fileobj=blob, mode="rb")  # type: ignore[assignment]
+        elif compression == "zstd":
+            self._stream = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True)
+        else:
+            self._stream = blob
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._stream.read(n)
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:
+            if isinstance(e, ShoalError):
+                raise
+            raise FormatError(f"{self.what}: cannot decompress ({e})") from None
+
+
+def hash_tar(stream) -> tuple[str, int]:
+    """(sha256 digest, size) of everything `stream` (read(n)) gives: a layer's diff_id."""
+    sha = hashlib.sha256()
+    n = 0
+    while data := stream.read(4 << 20):
+        sha.update(data)
+        n += len(data)
+    return "sha256:" + sha.hexdigest(), n

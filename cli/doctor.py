@@ -153,7 +153,7 @@ def check_containerd_plugin(address: str, ctr: str = "ctr") -> Check:
 
 
 def check_socket(socket: str) -> Check:
-    from cli.install import socket_answers
+    from snapshotter.grpc_server import socket_answers
 
     try:
         answers = socket_answers(socket, timeout=5)

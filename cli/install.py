@@ -197,24 +197,9 @@ def removed(text: str, opts: Options, prior: dict, where: str = "config") -> str
 # --- the node's side: socket, file, restart --------------------------------------------------
 
 
-def socket_answers(path: str, timeout: float) -> bool:
-    """Whether a gRPC server answers on the unix socket `path` within `timeout` seconds
-    (an HTTP/2 handshake, not only a connect: a socket file left by a dead node refuses)."""
-    import grpc
-
-    if not os.path.exists(path):
-        return False
-    channel = grpc.insecure_channel(f"unix:{path}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
-    finally:
-        channel.close()
-
-
 def _wait_socket(opts: Options) -> None:
+    from snapshotter.grpc_server import socket_answers  # gRPC: loaded only when waited for
+
     deadline = time.monotonic() + opts.wait_socket
     while True:
         if socket_answers(opts.socket, timeout=min(2.0, max(0.1, deadline - time.monotonic()))):

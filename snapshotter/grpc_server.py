@@ -145,3 +145,18 @@ class SnapshotsServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+
+
+def socket_answers(path: str, timeout: float) -> bool:
+    """Whether a gRPC server answers on the unix socket `path` within `timeout` seconds
+    (an HTTP/2 handshake, not only a connect: a socket file left by a dead node refuses)."""
+    if not os.path.exists(path):
+        return False
+    channel = grpc.insecure_channel(f"unix:{path}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()

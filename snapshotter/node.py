@@ -242,10 +242,10 @@ def _serve_metrics(address: tuple[str, int], root: str, grpc_socket: str):
     answers on ROOT/fs.sock; 503 naming what does not)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from cli.install import socket_answers
-    from cli.pull_status import node_metrics, node_status
     from shoal.metrics import CONTENT_TYPE
     from snapshotter.fs.client import FSClient
+    from snapshotter.grpc_server import socket_answers
+    from snapshotter.status import node_metrics, node_status
 
     def readiness() -> str:
         if not socket_answers(grpc_socket, timeout=2):

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
-from builder.convert import _Decompressing
 from builder.format.footer import (
     MANIFEST_CHECKSUM,
     MANIFEST_POSITION,
@@ -42,6 +41,7 @@ from builder.format.toc import decompress_toc
 from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
+from builder.tarstream import Decompressing
 from cache.origin import use_plain_http
 from cache.source import BlobRef
 from prefetch.profile import Profile
@@ -416,7 +416,7 @@ class RemoteLayers:
         source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
         try:
             with source.open_blob(blob.digest, blob.size) as stream:
-                result = use(_Decompressing(stream, compression, what))  # type: ignore[arg-type]
+                result = use(Decompressing(stream, compression, what))  # type: ignore[arg-type]
                 while stream.read(1 << 20):
                     pass
         finally:

@@ -281,7 +281,7 @@ def test_background_proof_marks_a_lying_lazy_layer_bad_and_proves_an_honest_one(
             assert [ly["proof"] for ly in s["lazy_layers"] if ly["digest"] == layer] == ["bad"]
             text = subprocess.run([SHOAL, "status", "--root", str(node.root)], capture_output=True, text=True, check=False).stdout
             assert f"BAD chain {top}" in text
-            from cli.pull_status import node_metrics
+            from snapshotter.status import node_metrics
 
             metrics = node_metrics(s)
             assert 'shoal_node_chains{proof="bad"} 1' in metrics and 'shoal_node_chains{proof="proven"} 1' in metrics

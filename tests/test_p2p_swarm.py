@@ -37,8 +37,8 @@ pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (sh
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
 pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
-from cli.pull_status import node_status
 from shoal.metrics import parse as parse_metrics
+from snapshotter.status import node_status
 from tests.lab import netlab
 
 MiB = 1 << 20

@@ -28,9 +28,9 @@ import requests
 from builder.inspect import read_toc
 from builder.oci.refs import open_source
 from cache.region import backends
-from cli.pull_status import node_metrics
 from shoal.metrics import parse as parse_metrics
 from snapshotter.remote import RemoteLayers
+from snapshotter.status import node_metrics
 from tests.services import wait_for
 from tests.test_cache_store import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from tests.test_lazy_fs import layer_labels, publish_tree

@@ -1,0 +1,120 @@
+"""What a node is doing, as data: `shoal status` prints it, the node's /metrics serves it.
+
+node_status(root) reads the node's root (the layer file system's control socket, the
+snapshot metadata, the unpacked layers) and answers a dict; node_metrics(status) renders
+it for Prometheus. Both are read-only and safe to call from any process on the node.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def node_status(root: str) -> dict:
+    """What the node at root is doing: layers (lazy/unpacked), reads, cache and sources."""
+    from snapshotter.fs.client import FSClient
+
+    status: dict = {"root": root, "fs_server": None, "lazy_layers": [], "unpacked_layers": []}
+    fs = FSClient(root)
+    if fs.running():
+        reply = fs.status()
+        status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s")}
+        status["lazy_layers"] = reply.get("layers", [])
+        status["data_path"] = reply.get("store", {})
+        status["prefetch"] = reply.get("prefetch", {})
+    status["chains"] = remote_chains(root)
+    for ly in status["lazy_layers"]:
+        ly["proof"] = layer_proof(ly, status["chains"])
+    unpacked = os.path.join(root, "unpacked")
+    if os.path.isdir(unpacked):
+        status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
+    status["fetch"] = fetch_figures(status.get("data_path") or {})
+    return status
+
+
+def remote_chains(root: str) -> list[dict]:
+    """Every remote snapshot (a chain id the node provided) and its proof state."""
+    from snapshotter.chainproof import (
+        LABEL_CRI_IMAGE_REF,
+        LABEL_IMAGE_REF,
+        chain_id_of,
+        proof_of,
+    )
+    from snapshotter.metadata import read_remote_records
+    from snapshotter.snapshotter import LABEL_DIFF_ID, LABEL_LAYER_DIGEST, LABEL_PROOF
+
+    return [{
+        "chain": chain_id_of(rec), "parent": rec.parent, "kind": rec.layer_kind,
+        "layer": rec.labels.get(LABEL_LAYER_DIGEST, ""),
+        "image": rec.labels.get(LABEL_IMAGE_REF) or rec.labels.get(LABEL_CRI_IMAGE_REF, ""),
+        "proof": proof_of(rec) or rec.labels.get(LABEL_PROOF, ""),
+        "diff_id": rec.labels.get(LABEL_DIFF_ID, ""),
+    } for rec in read_remote_records(os.path.join(root, "metadata.db"))]
+
+
+def layer_proof(layer: dict, chains: list[dict]) -> str:
+    """A lazy layer's proof: bad if refused or any chain made from it is bad, proven if
+    every chain made from it is, else pending."""
+    states = {c["proof"] for c in chains if c["layer"] == layer["digest"]}
+    if layer.get("proof") == "bad" or "bad" in states:
+        return "bad"
+    return "proven" if states == {"proven"} else "pending"
+
+
+def fetch_figures(data_path: dict) -> dict:
+    """Where the node's bytes came from, and what it gave its peers: the figures of
+    `shoal status` and of the node's /metrics. Source bytes are compressed blob bytes
+    (the region's and origin's count both paths: for the swarm, which fetches whole
+    pieces of what no peer has, and around it); store bytes are decompressed chunks.
+    verify_failures: per source, ranges whose bytes failed their check (a chunk's
+    digest, a piece's SHA-1) and were asked of the next source. hangs: per source, calls
+    that did not answer within the read deadline (the source was then skipped for a
+    while, cache/source.py)."""
+    sources = data_path.get("sources") or {}
+    swarm = sources.get("swarm") or {}
+    return {
+        "bytes_from_store": (data_path.get("store") or {}).get("bytes_read", 0),
+        "bytes_from_peers": swarm.get("bytes_from_peers", 0),
+        "bytes_from_region": (sources.get("region") or {}).get("bytes", 0),
+        "bytes_from_origin": (sources.get("origin") or {}).get("bytes", 0),
+        "bytes_to_peers": swarm.get("bytes_to_peers", 0),
+        "swarm": "swarm" in sources,
+        "peers_connected": swarm.get("peers_connected", 0),
+        "torrents": len(swarm.get("torrents") or []),
+        "hash_failures": swarm.get("hash_failures", 0),
+        "peers_banned": swarm.get("peers_banned", 0),
+        "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
+                            if "verify_failures" in st},
+        "hangs": {name: st.get("hangs", 0) for name, st in sources.items() if "hangs" in st},
+    }
+
+
+def node_metrics(s: dict) -> str:
+    """The node's /metrics text (Prometheus) from node_status()."""
+    from shoal.metrics import render
+
+    f = s["fetch"]
+    counter, gauge = "counter", "gauge"
+    swarm = f if f["swarm"] else {}  # no swarm figures from a node without one
+    return render([
+        ("shoal_node_fetched_bytes_total", counter,
+         "Bytes read, by source (store: decompressed chunks; others: compressed blob bytes).",
+         [({"source": k}, f[f"bytes_from_{k}"]) for k in ("store", "peers", "region", "origin")]),
+        ("shoal_node_fetch_verify_failures_total", counter,
+         "Ranges whose bytes failed their check (chunk digest, piece SHA-1), by source; the next source was asked.",
+         [({"source": k}, v) for k, v in sorted(f["verify_failures"].items())]),
+        ("shoal_node_fetch_hangs_total", counter,
+         "Source calls without an answer within the read deadline, by source; the source was then skipped a while.",
+         [({"source": k}, v) for k, v in sorted(f.get("hangs", {}).items())]),
+        ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
+        ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
+        ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),
+        ("shoal_node_swarm_hash_failures_total", counter, "Pieces from peers that failed their hash.",
+         swarm.get("hash_failures")),
+        ("shoal_node_swarm_peers_banned_total", counter, "Peers banned for bad pieces.", swarm.get("peers_banned")),
+        ("shoal_node_layers", gauge, "Layers provided by the node, by kind.",
+         [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
+        ("shoal_node_chains", gauge, "Chain ids the node provided, by proof state (lazy layers: pending|proven|bad).",
+         [({"proof": p}, sum(c["proof"] == p for c in s.get("chains", []))) for p in ("pending", "proven", "bad")]),
+        ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
+    ])
