@@ -36,7 +36,20 @@ class Manifest:
     digest: str
 
 
-class ImageSource(abc.ABC):
+class _Closing:
+    """A transport end is a context manager: `with` closes it (close() is idempotent)."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ImageSource(_Closing, abc.ABC):
     """Reads one image (a manifest or an index and everything it refers to)."""
 
     reference: str
@@ -88,17 +101,8 @@ class ImageSource(abc.ABC):
                 pass
         return data
 
-    def close(self) -> None:
-        pass
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ImageDestination(abc.ABC):
+class ImageDestination(_Closing, abc.ABC):
     """Writes one image: blobs first, then manifests, then the root under its tag."""
 
     reference: str
@@ -121,12 +125,3 @@ class ImageDestination(abc.ABC):
     @abc.abstractmethod
     def put_root(self, manifest: Manifest) -> None:
         """Store the root manifest or index and point the reference's tag at it."""
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -77,12 +77,17 @@ class TorrentSource(Protocol):
     the digest, or None when the blob is not (yet) available; it may raise
     web.HTTPException (e.g. 403 for a client not allowed to read the blob's repository:
     metadata names a blob as well as its bytes do). `retry_after` is what a 404 asks the
-    client to wait, when a fill is under way.
+    client to wait (seconds; 0: no Retry-After), when a fill is under way. close() releases
+    the source's threads when the service stops.
     """
+
+    retry_after: int
 
     async def info(self, digest: str, request: web.Request) -> bytes | None: ...
 
     def statistics(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class TorrentCache:
@@ -155,6 +160,7 @@ class FileTorrents:
                  piece_size: int | None = None, ssl_cert: bytes = b"") -> None:
         self.cache = TorrentCache(folder, piece_size, ssl_cert=ssl_cert)
         self._blob_path = blob_path
+        self.retry_after = 0  # nothing is filled: a missing blob stays missing
 
     async def info(self, digest: str, request: web.Request) -> bytes | None:
         path = self._blob_path(digest)
@@ -212,9 +218,7 @@ class BackendTorrents:
             for block in stream:
                 builder.update(block)
         finally:
-            close = getattr(stream, "close", None)
-            if close:
-                close()
+            stream.close()
         return builder.finish(digest, self.cache.ssl_cert)[1]
 
     def statistics(self) -> dict:
@@ -295,7 +299,7 @@ class SwarmService:
             raise web.HTTPBadGateway(text=f"cannot make the torrent of {digest}: {exc}\n") from None
         if info is None:
             self.stats["torrents_missing"] += 1
-            retry = getattr(self.torrents, "retry_after", None)
+            retry = self.torrents.retry_after
             headers = {"Retry-After": str(retry)} if retry else None
             raise web.HTTPNotFound(text=f"{digest}: not in the region (yet)\n", headers=headers)
         self.stats["torrents_served"] += 1
@@ -472,9 +476,8 @@ def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = No
         app[_EXPIRY_KEY].cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await app[_EXPIRY_KEY]
-        close = getattr(torrents, "close", None)
-        if close:
-            close()
+        if torrents is not None:
+            torrents.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
