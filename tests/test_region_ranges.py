@@ -139,7 +139,9 @@ def test_a_range_past_the_fill_is_answered_while_the_fill_runs(world, capped_ori
     status = _wait_committed(world, world.region, digest)
     assert status["store_verify_failures"] == 0
     reads = world.origin_reads(digest)
-    assert sorted(reads) == [(200, len(data)), (206, MiB)]  # one whole copy, one range
+    # one copy in all: the range, and the fill's answer up to it (or, had it started
+    # before the range read, its whole answer)
+    assert sorted(reads) in ([(206, MiB), (206, len(data) - MiB)], [(200, len(data)), (206, MiB)]), reads
     assert status["origin_range_bytes"] == MiB
 
     # the stored copy is the fill's: whole and good
@@ -200,12 +202,16 @@ def test_nodes_starting_one_lazy_layer_cost_the_origin_one_copy_of_each_range(wo
 
     status = _wait_committed(world, world.eager, digest)
     origin = world.origin_reads(digest)
-    assert [w for code, w in origin if code == 200] == [len(blob)]  # the fill: one whole copy
+    # the fill: one whole answer at most (it reads ranges past what range reads hold,
+    # and takes the rest from them: docs/cache.md, "One copy in all")
+    assert [code for code, _ in origin].count(200) <= 1
     ranges = [w for code, w in origin if code == 206]
     assert all(code in (200, 206) for code, _ in origin)
-    # every byte the nodes asked for came from the origin at most once
+    # every byte the nodes asked for came from the origin at most once, besides the fill's
+    # one copy of the blob (less what it took from range reads)
     asked = union_size([tuple(r) for out in outs for r in out["asked"]])
-    assert sum(ranges) <= asked
+    assert sum(w for _, w in origin) <= len(blob) + asked
+    assert status["origin_bytes"] + status["fill_reused_bytes"] == len(blob)
     assert ranges.count(loc.toc.end - loc.toc.offset) == 1  # four nodes, one TOC range read
     # (the region counts what it received: a read the fill overtook is cut, the origin may
     # have sent more into the connection than the region read from it)

@@ -57,7 +57,7 @@ Blob requests, in order:
    writes there after: the stored copy is still exactly what the fill hashed and
    checked against the digest; a range read's bad byte fails the commit), and goes on
    with a range request from the first byte no range read holds: up to the next such
-   run, else `bytes=POS-` (an origin that ignores Range sends the whole blob: the fill
+   run (or a run of any length that ends the blob: a TOC), else `bytes=POS-` (an origin that ignores Range sends the whole blob: the fill
    drops what it has and reads the rest). Its first request is a range too when range
    reads run before it starts.
    So a cold blob costs the origin about one copy in all. A whole-blob answer takes
@@ -921,13 +921,14 @@ class RegionCache:
 
     @staticmethod
     def _next_run(fill: Fill) -> int | None:
-        """Where the first run of at least TAKE_AT_LEAST bytes that range reads hold or
-        bring begins past the fill's position (the fill's next answer ends there), or
-        None (none: it asks for the rest of the blob)."""
+        """Where the first run that range reads hold or bring begins past the fill's
+        position, of at least TAKE_AT_LEAST bytes or up to the blob's end (a lazy
+        start's TOC: no request after it), or None (none: the fill's next answer is the
+        rest of the blob; else it ends there)."""
         if fill.ranges_refused:
             return None
         starts = sorted(r.start for r in fill.ranges if r.start > fill.written)
-        return next((a for a in starts if fill.coming(a) - a >= TAKE_AT_LEAST), None)
+        return next((a for a in starts if fill.coming(a) - a >= TAKE_AT_LEAST or fill.coming(a) == fill.size), None)
 
     async def _take_from_ranges(self, fill: Fill, hasher) -> None:
         """Move the fill over the run of bytes from its position that range reads have
