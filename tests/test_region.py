@@ -236,6 +236,13 @@ def test_fill_ranges_table():
     assert fill.gaps(300, 1000) == [(300, 400), (600, 700), (730, 900)]
     assert fill.gaps(450, 600) == [] and fill.gaps(950, 1000) == []
     assert fill.gaps(590, 610) == [(600, 610)]
+    # held: the run of range read bytes in the file from a byte; coming: what they bring
+    adjacent = RangeRead(450, 500, got=50, done=True)
+    fill.ranges.append(adjacent)
+    assert fill.held(400) == 500 and fill.held(420) == 500 and fill.held(300) == 300
+    assert fill.held(700) == 730 and fill.held(950) == 1000
+    assert fill.coming(420) == 600 and fill.coming(700) == 730 and fill.coming(650) == 650
+    fill.ranges.remove(adjacent)
     # the fill passing a finished read forgets it; a running one stays
     fill.written = 1000
     fill.passed()

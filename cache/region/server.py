@@ -50,10 +50,20 @@ Blob requests, in order:
    staging file above the fill's frontier, one request per part of the blob that no
    running read brings yet, so N clients asking for one range (a TOC) cost the origin
    one range read, and overlapping ranges share what they have in common. These bytes
-   are not verified (a range cannot be; nodes check every chunk) and never become the
-   stored copy: the fill writes every byte itself, and the stored copy is what it
-   hashed. A whole-blob answer takes nothing from range reads. Range bytes are counted
-   apart (`origin_range_bytes`); the fill still reads the whole blob once.
+   are not verified as they are served (a range cannot be; nodes check every chunk).
+   When the fill reaches a run of at least TAKE_AT_LEAST bytes that range reads hold
+   (or are bringing), it closes its origin answer, reads that run back from the
+   staging file into its hash (moving its frontier over it under the lock, so nothing
+   writes there after: the stored copy is still exactly what the fill hashed and
+   checked against the digest; a range read's bad byte fails the commit), and goes on
+   with a range request from the first byte no range read holds: up to the next such
+   run (or a run of any length that ends the blob: a TOC), else `bytes=POS-` (an origin that ignores Range sends the whole blob: the fill
+   drops what it has and reads the rest). Its first request is a range too when range
+   reads run before it starts.
+   So a cold blob costs the origin about one copy in all. A whole-blob answer takes
+   from range reads only what the fill took. Counted: `origin_bytes` (the fill's
+   origin bytes), `origin_range_bytes` (range reads), `fill_reused_bytes` (what the
+   fill took from range reads).
 
 Blocking work (files, boto3, hashing) runs in a thread pool, never on the event loop.
 """
@@ -96,6 +106,7 @@ RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this o
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
 _AHEAD_PIECE = 256 << 10  # bytes a range read hands on at a time (clients get them as they come)
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
+TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
@@ -251,9 +262,11 @@ class Fill:
     and the range reads ahead of it (4).
 
     The staging file's invariant, which keeps the committed copy the bytes the fill
-    hashed: below `frontier` the file holds the fill's own bytes, and a range read
-    writes only at or above it. Both sides write, and the fill moves `frontier`, under
-    `lock` (in worker threads). `written` (on the event loop) trails `frontier`."""
+    hashed: below `frontier` the file holds exactly the bytes the fill hashed (those it
+    wrote from its origin stream, and those of range reads it read back from the file
+    and hashed: module doc, 4), and a range read writes only at or above it. Range
+    reads write, and the fill writes or reads back and moves `frontier`, under `lock`
+    (in worker threads). `written` (on the event loop) trails `frontier`."""
 
     digest: str
     repo: str
@@ -267,6 +280,7 @@ class Fill:
     readers: int = 0  # clients and range reads using fd
     ranges: list[RangeRead] = field(default_factory=list)  # running, or done and not passed yet
     ranges_refused: bool = False  # the origin ignored a Range header: readers wait for the fill
+    reused: int = 0  # bytes the fill took from range reads (read back from the staging file)
     frontier: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -293,6 +307,23 @@ class Fill:
                 break
             at = got
         return min(at, end) - pos
+
+    def held(self, pos: int) -> int:
+        """The end of the run of bytes from `pos` that range reads have written into the
+        staging file (`pos` when none has byte `pos`)."""
+        at = pos
+        while (got := max((r.start + r.got for r in self.ranges if r.start <= at < r.start + r.got),
+                          default=None)) is not None:
+            at = got
+        return at
+
+    def coming(self, pos: int) -> int:
+        """The end of the run of bytes from `pos` that range reads have brought or are
+        bringing (`pos` when none brings byte `pos`)."""
+        at = pos
+        while (read := self.bringing(at)) is not None:
+            at = read.covers()
+        return at
 
     def bringing(self, pos: int) -> RangeRead | None:
         """The range read that brings (or brought) byte `pos`, if any."""
@@ -383,7 +414,7 @@ class RegionCache:
             "origin_bytes", "bytes_served", "auth_checks", "auth_cache_hits", "auth_coalesced",
             "denied", "not_found", "errors", "aborted", "proxied",
             "store_checks", "store_verify_failures", "store_check_reports",
-            "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed",
+            "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed", "fill_reused_bytes",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.extensions: list[Extension] = []  # services mounted beside the cache (mount())
@@ -758,49 +789,21 @@ class RegionCache:
         try:
             fill.fd = await self._run(_open_staging, fill.path)
             fill.notify()
-            if fill.reading_ahead():
-                await self._yield_to_ranges(fill)
-            try:
-                resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {_describe(exc)}") from None
-            async with resp:
-                if resp.status != 200:
-                    text = await error_text(resp)
-                    if resp.status == 404:
-                        raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name} at the origin")
-                    raise HTTPFailure(502, "ORIGIN_ERROR",
-                                      f"origin answered HTTP {resp.status} for {name}@{digest}: {text}")
-                if resp.content_length is None:
-                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sent {name}@{digest} without a Content-Length")
-                if fill.size is not None and resp.content_length != fill.size:
-                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sends {resp.content_length} bytes of "
-                                      f"{name}@{digest}; its HEAD said {fill.size}")
-                fill.size = resp.content_length
-                fill.notify()
-                hasher = hashlib.sha256()
-                buf = bytearray()
-                try:
-                    async for piece in resp.content.iter_chunked(self._block):
-                        if fill.reading_ahead():
-                            await self._yield_to_ranges(fill)
-                        buf += piece
-                        if len(buf) >= self._block:
-                            await self._append(fill, hasher, bytes(buf))
-                            buf.clear()
-                    if buf:
-                        await self._append(fill, hasher, bytes(buf))
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    raise HTTPFailure(502, "ORIGIN_ERROR",
-                                      f"origin connection lost after {fill.written} of {fill.size} bytes of "
-                                      f"{name}@{digest}: {_describe(exc)}") from None
+            hasher = hashlib.sha256()
+            while fill.size is None or fill.written < fill.size:
+                await self._take_from_ranges(fill, hasher)
+                if fill.size is not None and fill.written >= fill.size:
+                    break
+                if not await self._stream_from_origin(fill, hasher, authorization):
+                    break  # the origin's answer ended
             if fill.written != fill.size:
                 raise HTTPFailure(502, "ORIGIN_ERROR",
                                   f"origin sent {fill.written} bytes of {name}@{digest}, announced {fill.size}")
             got = "sha256:" + hasher.hexdigest()
             if got != digest:
+                reused = f" ({fill.reused} of them from range reads)" if fill.reused else ""
                 raise HTTPFailure(502, "BLOB_DIGEST_MISMATCH",
-                                  f"origin served bytes for {name}@{digest} that hash to {got}; not cached")
+                                  f"origin served bytes for {name}@{digest} that hash to {got}{reused}; not cached")
             fill.verified = True
             fill.notify()
             try:
@@ -836,6 +839,120 @@ class RegionCache:
             fill._close_if_unused()
             if not committed:
                 await asyncio.shield(self._run(_unlink, fill.path))  # readers keep the open descriptor
+
+    async def _stream_from_origin(self, fill: Fill, hasher, authorization: str | None) -> bool:
+        """Append the blob from the origin to the fill from fill.written on: the whole
+        blob (200) at first; once range reads are under way, or after a run taken from
+        them, a range (206): up to the next run of range read bytes worth taking
+        (_next_run), else to the end (`Range: bytes=POS-`). An origin that ignores
+        Range sends the whole blob: its bytes before POS are dropped, and the fill
+        reads the rest of the blob from that answer. Returns True when the fill is to
+        go on: its answer reached its bound, or it was cut (closed) at a run worth
+        taking (_worth_taking) that appeared on the way; False when the answer ended
+        (at the blob's end, or short: the caller checks). Raises HTTPFailure."""
+        digest, name = fill.digest, fill.repo
+        if fill.reading_ahead():
+            await self._yield_to_ranges(fill)
+        at, stop = fill.written, self._next_run(fill)
+        ranged = at > 0 or stop is not None
+        asked = f"bytes={at}-{'' if stop is None else stop - 1}"
+        try:
+            resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name,
+                                               {"Range": asked} if ranged else None)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {_describe(exc)}") from None
+        async with resp:
+            drop = 0  # bytes at the answer's start that the fill has already
+            if ranged and resp.status == 206:
+                end = stop if stop is not None else fill.size
+                try:
+                    check_content_range(resp.headers.get("Content-Range", ""), at, end, fill.size)
+                except ContentRangeError:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered Content-Range "
+                                      f"{resp.headers.get('Content-Range')!r} for {name}@{digest} {asked}") from None
+            elif resp.status != 200:
+                text = await error_text(resp)
+                if resp.status == 404:
+                    raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name} at the origin")
+                raise HTTPFailure(502, "ORIGIN_ERROR",
+                                  f"origin answered HTTP {resp.status} for {name}@{digest}: {text}")
+            else:
+                if resp.content_length is None:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sent {name}@{digest} without a Content-Length")
+                if fill.size is not None and resp.content_length != fill.size:
+                    raise HTTPFailure(502, "ORIGIN_ERROR", f"origin sends {resp.content_length} bytes of "
+                                      f"{name}@{digest}; its HEAD said {fill.size}")
+                if ranged:  # the origin ignores Range: no more range reads, nothing more to take
+                    fill.ranges_refused, drop, stop = True, at, None
+                    log.warning("%s: the origin ignores Range requests; the fill reads the whole blob", digest)
+                fill.size = resp.content_length
+                fill.notify()
+            buf = bytearray()
+            try:
+                async for piece in resp.content.iter_chunked(self._block):
+                    if drop:
+                        self.stats["origin_bytes"] += min(drop, len(piece))
+                        piece, drop = piece[drop:], max(0, drop - len(piece))
+                        if not piece:
+                            continue
+                    if fill.reading_ahead():
+                        await self._yield_to_ranges(fill)
+                    buf += piece
+                    if len(buf) >= self._block:
+                        await self._append(fill, hasher, bytes(buf))
+                        buf.clear()
+                        if fill.written != stop and self._worth_taking(fill):
+                            resp.close()  # the rest of this answer is not read: cut it
+                            return True
+                if buf:
+                    await self._append(fill, hasher, bytes(buf))
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise HTTPFailure(502, "ORIGIN_ERROR",
+                                  f"origin connection lost after {fill.written} of {fill.size} bytes of "
+                                  f"{name}@{digest}: {_describe(exc)}") from None
+        return stop is not None and fill.written == stop
+
+    def _worth_taking(self, fill: Fill) -> bool:
+        """Whether the range reads hold (or bring) enough of the blob from the fill's
+        position on to cut the fill's origin answer for it: at least TAKE_AT_LEAST
+        bytes (a shorter run costs less read again than the bytes in flight in the
+        answer it cuts and the request after it)."""
+        return not fill.ranges_refused and fill.coming(fill.written) - fill.written >= TAKE_AT_LEAST
+
+    @staticmethod
+    def _next_run(fill: Fill) -> int | None:
+        """Where the first run that range reads hold or bring begins past the fill's
+        position, of at least TAKE_AT_LEAST bytes or up to the blob's end (a lazy
+        start's TOC: no request after it), or None (none: the fill's next answer is the
+        rest of the blob; else it ends there)."""
+        if fill.ranges_refused:
+            return None
+        starts = sorted(r.start for r in fill.ranges if r.start > fill.written)
+        return next((a for a in starts if fill.coming(a) - a >= TAKE_AT_LEAST or fill.coming(a) == fill.size), None)
+
+    async def _take_from_ranges(self, fill: Fill, hasher) -> None:
+        """Move the fill over the run of bytes from its position that range reads have
+        written (or, running, are writing) into the staging file: each block read back
+        from the file into the fill's hash, and the frontier moved over it, under the
+        fill's lock (_take_staged): from then on no range read writes there, so the
+        committed copy is what was hashed. Returns at the first byte that no range
+        read brings (or at one that a failed read did not bring)."""
+        while fill.size is not None and fill.written < fill.size:
+            at = fill.written
+            end = fill.held(at)
+            if end > at:
+                n = min(self._block, end - at)
+                await self._run(_take_staged, fill, at, n, hasher)
+                fill.written += n
+                fill.reused += n
+                self.stats["fill_reused_bytes"] += n
+                fill.passed()
+                fill.notify()
+                continue
+            read = fill.bringing(at)
+            if read is None or read.done:
+                return
+            await fill.wait_until(lambda read=read, at=at: read.done or fill.held(at) > at)
 
     @staticmethod
     async def _yield_to_ranges(fill: Fill) -> None:
@@ -1056,6 +1173,9 @@ def region_metrics(stats: dict, backend: dict) -> list[Metric]:
          stats["origin_bytes"]),
         ("shoal_region_origin_range_bytes_total", c, "Blob bytes read from the origin as ranges ahead of fills.",
          stats["origin_range_bytes"]),
+        ("shoal_region_fill_reused_bytes_total", c,
+         "Blob bytes fills took from range reads (from the staging file) instead of the origin.",
+         stats["fill_reused_bytes"]),
         ("shoal_region_range_reads_total", c, "Origin range requests ahead of fills.", stats["range_reads"]),
         ("shoal_region_range_joins_total", c, "Range answers that joined a range read another request started.",
          stats["range_joins"]),
@@ -1113,6 +1233,20 @@ def _write_fill(fill: Fill, data: bytes, offset: int, hasher) -> None:
     with fill.lock:
         _write_at(fill.fd, data, offset)
         fill.frontier = offset + len(data)
+
+
+def _take_staged(fill: Fill, offset: int, n: int, hasher) -> None:
+    """In a worker thread: the `n` bytes at `offset` (the fill's frontier) that range
+    reads wrote, read back from the staging file and hashed as the fill's own, the
+    frontier moved over them under the lock (so no range read writes there after)."""
+    with fill.lock:
+        if fill.frontier != offset:
+            raise RuntimeError(f"staging file of {fill.digest}: frontier at {fill.frontier}, taking from {offset}")
+        data = os.pread(fill.fd, n, offset)
+        if len(data) != n:
+            raise RuntimeError(f"staging file of {fill.digest} is short at {offset}")
+        fill.frontier = offset + n
+    hasher.update(data)
 
 
 def _write_ahead(fill: Fill, data: bytes, offset: int) -> None:
