@@ -728,3 +728,97 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
     finally:
         stop_process(proc)
         proc.stdout.close()
+
+
+class _RangeCorruptingOrigin:
+    """An origin (enough of the registry API for the region) whose whole-blob answers are
+    right and slow, and whose range answers from past the first byte are wrong: what a
+    broken range path in front of an origin looks like to the region."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        import http.server
+
+        self.data, self.digest = data, digest_of(data)
+        blob_path = f"/v2/{name}/blobs/{self.digest}"
+        origin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _head(self, code: int, length: int, extra: dict) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(length))
+                self.send_header("Docker-Content-Digest", origin.digest)
+                for k, v in extra.items():
+                    self.send_header(k, v)
+                self.end_headers()
+
+            def do_HEAD(self) -> None:
+                if self.path != blob_path:
+                    self._head(404, 0, {})
+                    return
+                self._head(200, len(origin.data), {})
+
+            def do_GET(self) -> None:
+                if self.path == "/v2/":
+                    self._head(200, 0, {})
+                    return
+                if self.path != blob_path:
+                    self._head(404, 0, {})
+                    return
+                size = len(origin.data)
+                first, last = 0, size - 1
+                header = self.headers.get("Range", "")
+                if header.startswith("bytes="):
+                    a, _, b = header[6:].partition("-")
+                    first, last = int(a), min(int(b) if b else size - 1, size - 1)
+                body = origin.data[first:last + 1]
+                if first > 0:  # the broken range path
+                    body = bytes(x ^ 0xFF for x in body)
+                extra = {"Content-Range": f"bytes {first}-{last}/{size}"} if header else {}
+                self._head(206 if header else 200, len(body), extra)
+                try:
+                    for i in range(0, len(body), 64 << 10):
+                        self.wfile.write(body[i:i + (64 << 10)])
+                        if first == 0:
+                            time.sleep(0.02)  # the fill is slow: range reads get ahead of it
+                except OSError:
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_fill_that_took_bad_range_bytes_fails_and_the_next_fill_takes_none(region_factory):
+    """Bytes range reads brought are taken into the fill's hash (one origin copy in all),
+    so a broken range answer fails the fill's digest check; the blob's next fill then
+    fetches every byte itself, and the blob is cached, though its range answers stay
+    broken (else it would never be)."""
+    data = random.Random(9).randbytes(12 << 20)
+    origin = _RangeCorruptingOrigin("lib/ranges", data)
+    try:
+        region = region_factory(origin)
+        ahead = {"Range": f"bytes={8 << 20}-{len(data) - 1}"}  # past fill_window: a range read
+        r = get(region, "lib/ranges", origin.digest, ahead)
+        assert r.status_code == 206 and r.content != data[8 << 20:]  # ranges are not the region's to check
+        stats = region.wait_idle(60)
+        assert stats["fills_failed"] == 1 and stats["fills_committed"] == 0
+        assert stats["fill_reused_bytes"] > 0  # the failure came from the bytes it took
+        assert not region.backend.contains(origin.digest)
+
+        r = get(region, "lib/ranges", origin.digest, ahead)  # range reads ahead of the next fill too
+        stats = region.wait_idle(60)
+        assert stats["fills_failed"] == 1 and stats["fills_committed"] == 1, stats
+        assert region.backend.contains(origin.digest)
+        whole = get(region, "lib/ranges", origin.digest)
+        assert whole.status_code == 200 and whole.content == data
+    finally:
+        origin.close()

@@ -105,6 +105,7 @@ _MAX_REMEMBERED = 100_000
 RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
 _AHEAD_PIECE = 256 << 10  # bytes a range read hands on at a time (clients get them as they come)
+MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range reads' bytes
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
 _PASS_HEADERS = (
@@ -281,6 +282,7 @@ class Fill:
     ranges: list[RangeRead] = field(default_factory=list)  # running, or done and not passed yet
     ranges_refused: bool = False  # the origin ignored a Range header: readers wait for the fill
     reused: int = 0  # bytes the fill took from range reads (read back from the staging file)
+    reuse: bool = True  # take range reads' bytes (off after a fill that did failed its digest check)
     frontier: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -398,6 +400,10 @@ class RegionCache:
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="region-io")
         self._block = config.block_size
         self._fills: dict[str, Fill] = {}
+        # digests whose last fill took range reads' bytes and failed its digest check: their
+        # next fill fetches every byte itself (a broken range answer must not keep a blob
+        # out of the cache for good); bounded, oldest forgotten first
+        self._reuse_refused: dict[str, None] = {}
         self._commits = 0  # fills committed so far
         self._fill_tasks: set[asyncio.Task] = set()
         # stored copies: proven in this process (digest -> True), checks running, the
@@ -774,7 +780,8 @@ class RegionCache:
     def _start_fill(self, name: str, digest: str, authorization: str | None, size: int | None) -> Fill:
         """The fill of `digest`; `size` (the origin's answer to the access check, if any)
         lets range reads start before the fill's own answer."""
-        fill = Fill(digest=digest, repo=name, path=self.backend.temp_path(), size=size)
+        fill = Fill(digest=digest, repo=name, path=self.backend.temp_path(), size=size,
+                    reuse=digest not in self._reuse_refused)
         self._fills[digest] = fill
         self.stats["fills"] += 1
         task = asyncio.ensure_future(self._run_fill(fill, authorization))
@@ -802,6 +809,11 @@ class RegionCache:
             got = "sha256:" + hasher.hexdigest()
             if got != digest:
                 reused = f" ({fill.reused} of them from range reads)" if fill.reused else ""
+                if fill.reused:
+                    self._reuse_refused[digest] = None
+                    while len(self._reuse_refused) > MAX_REUSE_REFUSED:
+                        del self._reuse_refused[next(iter(self._reuse_refused))]
+                    reused += "; its next fill takes nothing from range reads"
                 raise HTTPFailure(502, "BLOB_DIGEST_MISMATCH",
                                   f"origin served bytes for {name}@{digest} that hash to {got}{reused}; not cached")
             fill.verified = True
@@ -917,7 +929,7 @@ class RegionCache:
         position on to cut the fill's origin answer for it: at least TAKE_AT_LEAST
         bytes (a shorter run costs less read again than the bytes in flight in the
         answer it cuts and the request after it)."""
-        return not fill.ranges_refused and fill.coming(fill.written) - fill.written >= TAKE_AT_LEAST
+        return fill.reuse and not fill.ranges_refused and fill.coming(fill.written) - fill.written >= TAKE_AT_LEAST
 
     @staticmethod
     def _next_run(fill: Fill) -> int | None:
@@ -925,7 +937,7 @@ class RegionCache:
         position, of at least TAKE_AT_LEAST bytes or up to the blob's end (a lazy
         start's TOC: no request after it), or None (none: the fill's next answer is the
         rest of the blob; else it ends there)."""
-        if fill.ranges_refused:
+        if fill.ranges_refused or not fill.reuse:
             return None
         starts = sorted(r.start for r in fill.ranges if r.start > fill.written)
         return next((a for a in starts if fill.coming(a) - a >= TAKE_AT_LEAST or fill.coming(a) == fill.size), None)
@@ -936,8 +948,9 @@ class RegionCache:
         from the file into the fill's hash, and the frontier moved over it, under the
         fill's lock (_take_staged): from then on no range read writes there, so the
         committed copy is what was hashed. Returns at the first byte that no range
-        read brings (or at one that a failed read did not bring)."""
-        while fill.size is not None and fill.written < fill.size:
+        read brings (or at one that a failed read did not bring); at once for a fill
+        that takes nothing from range reads (`reuse` off)."""
+        while fill.reuse and fill.size is not None and fill.written < fill.size:
             at = fill.written
             end = fill.held(at)
             if end > at:
