@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 from cache.memory import ChunkMemory
 from cache.origin import OriginSource
-from cache.source import BlobRef, FetchChain, Source
+from cache.source import BlobRef, Check, FetchChain, Source
 
 log = logging.getLogger("shoal.node")
 
@@ -85,15 +86,24 @@ def make_store(root: str, config: dict):
         os.path.join(root, "chunks"))
 
 
+class ReadRanges(Protocol):
+    """FetchChain.read_ranges: (blob, ranges, check?) -> one result per range, each the
+    check's answer on the first source's bytes that pass it (the raw bytes without one);
+    TransportError when no source served (cache/source.py)."""
+
+    def __call__(self, blob: BlobRef, ranges: Sequence[tuple[int, int]], check: Check | None = None) -> list: ...
+
+
 @dataclass
 class DataPath:
     """A node's data path: loaders for layer blobs, its figures, and a clean stop."""
 
     loader: Callable[[BlobRef, str], NodeChunkLoader]  # (blob, layer name) -> loader
     statistics: Callable[[], dict]
-    # (blob, ranges) -> their bytes, unverified, through the whole fetch chain (a layer's
-    # proof reads the whole blob this way and checks its digest itself)
-    read_ranges: Callable[[BlobRef, list[tuple[int, int]]], list[bytes]]
+    # (blob, ranges, check?) -> their bytes through the whole fetch chain: a layer's proof
+    # reads the whole blob this way, unchecked, and checks its digest itself; a TOC is read
+    # with a check (each source's bytes verified against the TOC digest)
+    read_ranges: ReadRanges
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
     swarm_ops: ControlOps | None = None  # the swarm's control ops, when the chain has a swarm
 

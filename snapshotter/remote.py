@@ -2,9 +2,9 @@
 
 containerd's unpacker calls Prepare with `containerd.io/snapshot.ref` (the target chain
 id) and, from CRI or `shoal pull`, the layer digest and the image reference. For a layer
-whose descriptor carries a zstd:chunked TOC, the node fetches the TOC, verifies it
-against the digest in the layer annotation, and serves the layer lazily through the
-layer file system. Any other layer is downloaded, verified and unpacked by the node
+whose descriptor carries a zstd:chunked TOC, the layer file system fetches the TOC
+through the node's fetch chain (swarm, region, origin), verifies it against the digest
+in the layer annotation at each source, and serves the layer lazily. Any other layer is downloaded, verified and unpacked by the node
 (snapshotter/unpack.py), and committed only if the unpacked stream's sha256 makes the
 target chain id on top of the parent's (the diff_id check, see _unpacked).
 Either way the snapshot is committed under the target name and containerd skips the
@@ -37,7 +37,6 @@ from builder.format.footer import (
     OLD_MANIFEST_POSITION,
     location_from_annotations,
 )
-from builder.format.toc import decompress_toc
 from builder.oci.documents import parse_config, parse_manifest
 from builder.oci.refs import DockerRef, parse_registry_ref
 from builder.oci.registry import RegistrySource
@@ -341,41 +340,35 @@ class RemoteLayers:
     # --- lazy layers -----------------------------------------------------------------------------
 
     def _lazy(self, blob: BlobRef, desc: dict, image: str) -> str:
+        """The layer served by the layer file system: blob.json (with where the TOC is)
+        written here, the TOC read, verified and kept by the file system through the
+        node's fetch chain (swarm, region, origin) at its `load`."""
         layer_id = hex_of(blob.digest)
         d = os.path.join(self.root, "layers", layer_id)
+        toc_path = os.path.join(d, "toc.json")
         fresh = False
-        if not os.path.exists(os.path.join(d, "toc.json")):
+        if not os.path.exists(toc_path):
             loc = location_from_annotations(desc.get("annotations"))
             assert loc is not None
-            source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
-            try:
-                compressed = source.read_range(blob.digest, loc.toc.offset, loc.toc.end)
-            finally:
-                source.close()
-            try:
-                toc_json = decompress_toc(compressed, loc.toc_digest, loc.toc.uncompressed)
-            except ShoalError as e:
-                raise type(e)(f"{image}: layer {blob.digest}: {e}") from None
+            toc = {"offset": loc.toc.offset, "end": loc.toc.end, "digest": loc.toc_digest,
+                   "uncompressed": loc.toc.uncompressed}
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(self.root, "layers"))
-            with open(os.path.join(tmp, "toc.json"), "wb") as f:
-                f.write(toc_json)
-            meta = {**blob.to_dict(), "image": image}
             with open(os.path.join(tmp, "blob.json"), "w") as f:
-                json.dump(meta, f)
+                json.dump({**blob.to_dict(), "image": image, "toc": toc}, f)
             try:
                 os.rename(tmp, d)
                 fresh = True
             except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)  # another prepare got there first
+                shutil.rmtree(tmp, ignore_errors=True)  # an earlier prepare's folder: its blob.json names the TOC
         self.fs.ensure_running()
         try:
-            # The file system server parses the TOC (the digest is checked above) and
+            # The file system server fetches the TOC, checks its digest, parses it and
             # refuses a bad one: nothing is mounted, and the layer's folder goes.
             return self.fs.load(layer_id)
         except ShoalError as e:
-            if fresh:
+            if fresh or not os.path.exists(toc_path):
                 shutil.rmtree(d, ignore_errors=True)
-            raise ShoalError(f"{image}: layer {blob.digest}: {e}") from None
+            raise type(e)(f"{image}: layer {blob.digest}: {e}") from None
 
     # --- unpacked layers ---------------------------------------------------------------------------
 

@@ -86,6 +86,9 @@ def fetch_figures(data_path: dict) -> dict:
         "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
                             if "verify_failures" in st},
         "hangs": {name: st.get("hangs", 0) for name, st in sources.items() if "hangs" in st},
+        # layers' TOCs read through the chain (their bytes are in the sources' above too)
+        "tocs_loaded": (data_path.get("tocs") or {}).get("fetched", 0),
+        "toc_bytes": (data_path.get("tocs") or {}).get("bytes", 0),
     }
 
 
@@ -106,6 +109,10 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_fetch_hangs_total", counter,
          "Source calls without an answer within the read deadline, by source; the source was then skipped a while.",
          [({"source": k}, v) for k, v in sorted(f.get("hangs", {}).items())]),
+        ("shoal_node_tocs_fetched_total", counter, "Layer TOCs read through the fetch chain.", f.get("tocs_loaded")),
+        ("shoal_node_toc_bytes_total", counter,
+         "Compressed bytes of the layer TOCs read through the fetch chain (counted by source above too).",
+         f.get("toc_bytes")),
         ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
         ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
         ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),

@@ -233,6 +233,83 @@ def test_a_corrupt_region_copy_is_read_from_the_origin_and_dropped(backend, regi
     assert stored(region, digest) == good
 
 
+def toc_range(layer: dict) -> tuple[int, int]:
+    """[start, end) of the layer's compressed TOC in its blob (from its annotations)."""
+    from builder.format.footer import location_from_annotations
+
+    loc = location_from_annotations(layer["annotations"])
+    assert loc is not None
+    return loc.toc.offset, loc.toc.end
+
+
+def origin_blob_gets(registry, digest: str) -> int:
+    return registry.count("GET", f"/blobs/{digest}")[0]
+
+
+def filled_region(registry, image, start_region):
+    """A region holding the image's layer: (ref, layer, files, digest, TOC range, region)."""
+    ref, layer, files, _ = image
+    region = start_region(registry)
+    fill(region, ref, layer)
+    return ref, layer, files, layer["digest"], toc_range(layer), region
+
+
+def test_a_lazy_layers_toc_comes_through_the_region(registry, image, region_factory, nodes):  # noqa: F811
+    """A node with a region reads its layers' TOCs through its fetch chain, in the layer
+    file system: from the region's copy, the origin asked nothing; the TOC's bytes are
+    counted by source and as TOC bytes in `shoal status` and /metrics."""
+    ref, layer, files, digest, (start, end), region = filled_region(registry, image, region_factory)
+    gets = origin_blob_gets(registry, digest)
+    node = nodes({"region_url": region.url})
+    mount = Path(node.prepare("t", "", layer_labels(ref, layer)).path)
+    assert origin_blob_gets(registry, digest) == gets  # no TOC range (nor anything else) from the origin
+    st = status(node)
+    fetch, sources = st["fetch"], st["data_path"]["sources"]
+    assert fetch["tocs_loaded"] == 1 and fetch["toc_bytes"] == end - start, fetch
+    assert sources["region"]["bytes"] == end - start and "origin" not in sources, sources
+    metrics = parse_metrics(node_metrics(st))
+    assert metrics["shoal_node_toc_bytes_total"] == end - start
+    assert metrics['shoal_node_fetched_bytes_total{source="region"}'] == end - start
+    toc_json = Path(node.root, "layers", digest[7:], "toc.json")
+    assert oct(toc_json.stat().st_mode & 0o777) == "0o600"  # written by the file system server, root's alone
+    assert (mount / "data/a.bin").read_bytes() == files["data/a.bin"]
+    assert origin_blob_gets(registry, digest) == gets
+
+
+def test_a_region_sending_a_corrupt_toc_is_caught(registry, image, region_factory, nodes):  # noqa: F811
+    """The region's copy is corrupt in the TOC range: the node's file system refuses the
+    region's TOC bytes (a verify failure of the region, logged once), asks the origin, and
+    the prepare succeeds. With a TOC digest that no source's bytes match, the prepare
+    fails with one line naming the image and layer, and nothing is mounted."""
+    from shoal.errors import DigestMismatch
+
+    ref, layer, files, digest, (start, end), region = filled_region(registry, image, region_factory)
+    good = stored(region, digest)
+    bad = bytearray(good)
+    bad[(start + end) // 2] ^= 0xFF
+    replace_stored(region, digest, bytes(bad), None)
+    node = nodes({"region_url": region.url})
+    mount = Path(node.prepare("t", "", layer_labels(ref, layer)).path)
+    assert (mount / "data/b.bin").read_bytes() == files["data/b.bin"]
+    st = status(node)
+    fetch, sources = st["fetch"], st["data_path"]["sources"]
+    assert fetch["verify_failures"]["region"] == 1 and fetch["verify_failures"].get("origin", 0) == 0, fetch
+    assert fetch["tocs_loaded"] == 1 and sources["origin"]["bytes"] >= end - start, sources
+    lines = [line for line in fs_log(node) if "region" in line and digest in line and "failed verification" in line]
+    assert len(lines) == 1 and "TOC digest mismatch" in lines[0] and f"[{start}, {end})" in lines[0], lines
+    # told by the node, the region checks its copy, drops it (and fills again from the origin)
+    wait_for(lambda: stored(region, digest) != bytes(bad), "the region to drop its bad copy", 30)
+
+    other = nodes({"region_url": region.url})
+    with pytest.raises(DigestMismatch) as err:
+        other.prepare("t", "", layer_labels(ref, layer, toc_digest="sha256:" + "0" * 64))
+    line = str(err.value)
+    assert "\n" not in line and ref in line and f"layer {digest}" in line and "TOC digest mismatch" in line, line
+    assert os.listdir(os.path.join(other.root, "layers")) == []
+    assert not os.listdir(other.fs.mnt)
+    assert status(other)["fetch"]["verify_failures"]["origin"] == 1
+
+
 def test_an_origin_answering_wrong_ranges(registry, image, region_factory, nodes):  # noqa: F811
     """The origin (through a proxy that flips a byte of each range answer) is the only
     source: EIO with a log line, counted. With the region's copy corrupt as well, every

@@ -12,7 +12,7 @@ import threading
 import time
 
 from shoal import localrpc
-from shoal.errors import ShoalError
+from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
 from snapshotter.fs.control import SOCKET_NAME
 
@@ -85,8 +85,14 @@ class FSClient:
         raise ShoalError(f"layer file system server did not start within {timeout:.0f}s (log: {log_path})")
 
     def load(self, layer_id: str) -> str:
-        """Serve the layer ROOT/layers/`layer_id` (its TOC and blob.json written); its mount point."""
-        self._call("load", id=layer_id)
+        """Serve the layer ROOT/layers/`layer_id` (its blob.json written, with its TOC's
+        location when toc.json is not there: the server reads the TOC through the node's
+        fetch chain, within its read deadline); its mount point. DigestMismatch or
+        FormatError when the layer's TOC is bad (nothing is mounted)."""
+        timeout = 60.0 + float(self.config.get("read_deadline") or 0)  # (a TOC read, then its parse)
+        reply = self._call("load", timeout=timeout, id=layer_id)
+        if "refused" in reply:
+            raise (DigestMismatch if reply.get("digest_mismatch") else FormatError)(str(reply["refused"]))
         return os.path.join(self.mnt, layer_id)
 
     def unload(self, layer_id: str) -> bool:

@@ -4,7 +4,7 @@ request per line, one JSON answer per line (shoal/localrpc.py: `call` and `Serve
 snapshotter/fs/client.py FSClient has a typed method for every op:
 
     {"op": "ping"}                                    -> {"pid"[, "listen_port" of the swarm]}
-    {"op": "load", "id": HEX}                         -> {"number"}
+    {"op": "load", "id": HEX}                         -> {"number"} | {"refused", "digest_mismatch"}
     {"op": "unload", "id": HEX}                       -> {"unloaded": bool}
     {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
                                                           "store": the data path's figures}
@@ -18,6 +18,10 @@ snapshotter/fs/client.py FSClient has a typed method for every op:
 
 HEX is a layer's blob digest hex (ROOT/layers/HEX), ENTRY an access profile's row
 (prefetch/profile.py); warmth rows and the prefetch figures are prefetch/warmup.py's.
+`load` of a layer without its TOC reads the TOC through the node's fetch chain first
+(fs/server.py); a layer whose TOC is bad (its bytes fail the TOC digest at every source
+that sent them, or it does not parse) is answered {"refused": TEXT, "digest_mismatch":
+bool}, nothing mounted; FSClient.load raises DigestMismatch or FormatError for it.
 ("store" keeps its name on the wire: a node talks to a server started by the one before.)
 
 Threads: localrpc.Server answers each connection on a thread of its own. The file
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from shoal.errors import ShoalError
+from shoal.errors import DigestMismatch, FormatError, ShoalError
 
 if TYPE_CHECKING:
     from snapshotter.fs.server import LayerFS
@@ -89,8 +93,13 @@ class NodeControl:
     def load(self, req: dict) -> dict:
         layer_id = str(req["id"])
         layer = self._on_loop(self.fs.layers.get, layer_id)
-        if layer is None:  # parsing a large TOC takes a while: not on the event loop
-            layer = self._on_loop(self.fs.register, layer_id, *self.fs.read_layer(layer_id))
+        if layer is None:  # fetching and parsing a TOC takes a while: not on the event loop
+            try:
+                parts = self.fs.read_layer(layer_id)
+            except FormatError as e:
+                log.error("load of layer %s refused: %s", layer_id, e)
+                return {"refused": str(e), "digest_mismatch": isinstance(e, DigestMismatch)}
+            layer = self._on_loop(self.fs.register, layer_id, *parts)
         return {"number": layer.number}
 
     def unload(self, req: dict) -> dict:

@@ -1,14 +1,23 @@
 """The layer file system server: one FUSE mount serving every lazy layer of a node.
 
     ROOT/mnt/<layer digest hex>/...   one read-only directory per layer (overlay lowerdir)
-    ROOT/layers/<hex>/toc.json        the verified TOC (written by the node before `load`)
-    ROOT/layers/<hex>/blob.json       where the blob lives (registry, repository, digest)
+    ROOT/layers/<hex>/blob.json       where the blob lives (registry, repository, digest) and,
+                                      for a layer whose TOC is not here yet, where its TOC is
+                                      ("toc": {offset, end, digest, uncompressed}; the node writes it)
+    ROOT/layers/<hex>/toc.json        the verified TOC (written by this server at `load`, from
+                                      the TOC range read through the node's fetch chain)
     ROOT/fs.sock                      control socket: JSON lines {"op": ...} -> {"ok": ...}
 
 It runs as a process of its own (pyfuse3 serves one mount per process, on trio), so a
 restart of the node's control plane (gRPC, asyncio) does not take running containers'
 files away: the node reconnects to this server by its socket. On start it loads every
-layer found under ROOT/layers, so a reboot restores the mounts too.
+layer found under ROOT/layers whose TOC is here, so a reboot restores the mounts too.
+
+TOCs: `load` of a layer without toc.json reads its TOC range through the node's fetch
+chain (swarm, region, origin, under the chain's deadline), each source's answer checked
+by decompress_toc against the TOC digest (a source whose bytes fail it counts in its
+verify_failures and the next source is asked), and writes toc.json (atomically) before
+parsing it. The TOC's bytes count by source in the chain's figures, and in `tocs`.
 
 Control ops (snapshotter/fs/control.py, the node's one control socket; FSClient calls
 them): ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks? whole?},
@@ -57,12 +66,13 @@ import pyfuse3
 import trio
 
 from builder.format.reader import ChunkLoader, LayerReader
-from builder.format.toc import Chunk, parse_toc
+from builder.format.toc import Chunk, decompress_toc, parse_toc
 from cache.memory import ChunkMemory
 from cache.source import BlobRef
 from prefetch.trace import AccessTrace, LayerTrace
 from prefetch.warmup import WarmLoader, Warmup
-from shoal.errors import ShoalError
+from shoal.digest import check_digest
+from shoal.errors import FormatError, ShoalError, TransportError
 from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir
 from shoal.localrpc import Server as ControlServer
 from snapshotter.assemble import DataPath, make_data_path
@@ -136,10 +146,11 @@ class LayerFS(pyfuse3.Operations):
         self.started = time.time()
         self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
         self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
-        self._lock = threading.Lock()  # proofs
+        self._lock = threading.Lock()  # proofs, the TOC figures
         self.trace = AccessTrace()
         self.warmup = Warmup(self.loaders)
-        self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs need it
+        self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs, TOCs
+        self.tocs = {"fetched": 0, "bytes": 0, "failed": 0}  # TOCs read through the chain (compressed bytes)
         self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
         self._proof_pool: ThreadPoolExecutor | None = None
         for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
@@ -175,15 +186,62 @@ class LayerFS(pyfuse3.Operations):
         with open(os.path.join(d, "blob.json")) as f:
             meta = json.load(f)
         blob = BlobRef.from_dict(meta)
-        with open(os.path.join(d, "toc.json"), "rb") as f:
-            toc = parse_toc(f.read(), blob.size)
         name = f"layer {blob.digest} of {meta.get('image', '?')}"
+        fetched = None
+        try:
+            with open(os.path.join(d, "toc.json"), "rb") as f:
+                toc_json = f.read()
+        except FileNotFoundError:
+            toc_json = fetched = self.fetch_toc(blob, meta.get("toc"))
+        toc = parse_toc(toc_json, blob.size)
         loader = self.make_loader(blob, name)
         loader.set_layout([c for e in toc.files() for c in e.chunks])
         view = LayerView(LayerReader(toc, loader=loader, layer=name, memory=loader.memory))
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
+        if fetched is not None:  # kept once it serves: a TOC that is refused leaves nothing
+            tmp = os.path.join(d, f".toc.json.{threading.get_native_id()}")
+            with open(tmp, "wb") as f:  # (the process's umask keeps it root's alone)
+                f.write(fetched)
+            os.rename(tmp, os.path.join(d, "toc.json"))
         return blob, meta.get("image", ""), view, loader
+
+    def fetch_toc(self, blob: BlobRef, where: object) -> bytes:
+        """The layer's TOC (decompressed, verified against its digest), read through the
+        node's fetch chain from the location blob.json names (`where`).
+        FormatError (DigestMismatch for a digest) when every source that answered sent
+        bytes that fail the check, or the location is malformed; TransportError when no
+        source answered. Any thread but the event loop's (it waits on the network)."""
+        if not isinstance(where, dict):
+            raise FormatError("no TOC, and blob.json names no TOC location")
+        offset, end, uncompressed = where.get("offset"), where.get("end"), where.get("uncompressed")
+        if (type(offset) is not int or type(end) is not int or not 0 <= offset < end
+                or (uncompressed is not None and type(uncompressed) is not int)):
+            raise FormatError(f"blob.json: bad TOC location {str(where)[:200]}")
+        digest = check_digest(where.get("digest"), "TOC digest")
+        if self.read_ranges is None:
+            raise ShoalError("no fetch chain to read the TOC through")
+        refused: list[ShoalError] = []  # what the check said of each source's bytes
+
+        def check(_: int, raw: bytes) -> bytes:
+            try:
+                return decompress_toc(raw, digest, uncompressed)
+            except ShoalError as e:
+                refused.append(e)
+                raise
+
+        try:
+            toc_json = self.read_ranges(blob, [(offset, end)], check)[0]
+        except TransportError as e:
+            with self._lock:
+                self.tocs["failed"] += 1
+            if refused:  # bytes came, and were not the TOC (the chain's message says from where)
+                raise type(refused[-1])(f"TOC: {e}") from None
+            raise
+        with self._lock:
+            self.tocs["fetched"] += 1
+            self.tocs["bytes"] += end - offset
+        return toc_json
 
     def register(self, layer_id: str, blob: BlobRef, image: str, view: LayerView, loader: LayerLoader) -> Layer:
         """Serve a layer read by read_layer (on the event loop; a layer loaded meanwhile
@@ -320,7 +378,11 @@ class LayerFS(pyfuse3.Operations):
     def data_path_statistics(self) -> dict:
         """The figures of the whole data path the layers read through (memory, chunk
         store, each source of the fetch chain, single flight): DataPath.statistics()."""
-        return self.data_path.statistics() if self.data_path else {}
+        if self.data_path is None:
+            return {}
+        with self._lock:
+            tocs = dict(self.tocs)
+        return {**self.data_path.statistics(), "tocs": tocs}
 
     # --- inode plumbing -------------------------------------------------------------------
 
@@ -576,6 +638,8 @@ def run(root: str, config: dict) -> int:
         os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")
     fs = build_fs(root, config)
     for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
+        if not os.path.exists(os.path.join(layer_dir(root, layer_id), "toc.json")):
+            continue  # a prepare in progress (or cut short): its `load` fetches the TOC (or sweep removes it)
         try:
             fs.load(layer_id)
         except (ShoalError, OSError, ValueError, KeyError) as e:
