@@ -94,7 +94,20 @@ def sn(short_tmp):
         s.close()
 
 
-class FakeRemote:
+class _IdleRemote:
+    """The lifecycle half of RemoteLayers for test remotes: nothing to start, sweep or stop."""
+
+    def start(self) -> None:
+        pass
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        return []
+
+    def stop_if_idle(self) -> None:
+        pass
+
+
+class FakeRemote(_IdleRemote):
     """A RemoteLayers that provides targets listed in `layers` from plain directories."""
 
     def __init__(self, base: Path, provide: set[str] | None = None, fail: str | None = None) -> None:
@@ -119,15 +132,6 @@ class FakeRemote:
 
     def restore(self, layer_path: str, labels: dict[str, str]) -> None:
         self.restored.append((layer_path, labels))
-
-    def start(self) -> None:
-        pass
-
-    def sweep(self, keep: set[str]) -> list[str]:
-        return []
-
-    def stop_if_idle(self) -> None:
-        pass
 
 
 def _commit_layer(s, name: str, parent: str = "", files: dict[str, str] | None = None) -> None:
@@ -855,7 +859,7 @@ def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, reg
     assert node.proc.poll() is None
 
 
-class UnpackedRemote:
+class UnpackedRemote(_IdleRemote):
     """RemoteLayers serving the chain ids in `layers` from ready directories."""
 
     def __init__(self, layers: dict[str, Path]) -> None:
@@ -874,15 +878,6 @@ class UnpackedRemote:
 
     def restore(self, layer_path: str, labels: dict[str, str]) -> None:
         self.restored.append(layer_path)
-
-    def start(self) -> None:
-        pass
-
-    def sweep(self, keep: set[str]) -> list[str]:
-        return []
-
-    def stop_if_idle(self) -> None:
-        pass
 
 
 @pytest.mark.containerd
