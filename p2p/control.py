@@ -1,11 +1,10 @@
-"""A node's swarm behind a control socket: the bulk path (a whole blob through the swarm,
-for prefetch and background completion) and the chain's figures.
+"""The swarm's control ops: the bulk path (a whole blob through the swarm, for prefetch
+and background completion) and the chain's figures.
 
-`shoal node`'s layer file system process serves ROOT/swarm.sock when the swarm is on
-(p2p/chain.py); tests/lab/agent.py serves the same ops plus its own. A unix socket lives in the
-file system, so a hook or a test reaches it whatever network namespace the node is in.
-One JSON request per line, one JSON answer per line (`{"ok": true, ...}` or
-`{"ok": false, "error": "..."}`; shoal/localrpc.py is the client):
+The layer file system process serves them on the node's one control socket, ROOT/fs.sock,
+beside its own ops (snapshotter/fs/control.py), when the swarm is on (p2p/chain.py);
+tests/lab/agent.py serves the same ops plus its own. The protocol is shoal/localrpc.py's
+(one JSON request per line, one JSON answer per line):
 
     {"op": "ping"}                                        -> {"pid", "listen_port"}
     {"op": "stats"}                                       -> {"stats": chain.statistics()}
@@ -34,8 +33,6 @@ log = logging.getLogger("shoal.swarm")
 
 if TYPE_CHECKING:
     from p2p.swarm import Swarm
-
-SOCKET_NAME = "swarm.sock"
 
 # resolve_layer(hex) -> the blob of the layer this node provides under that id, or None
 # (not provided). Supplied by the snapshotter side, which alone knows its layers' layout;
