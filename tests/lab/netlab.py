@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -292,12 +293,14 @@ class LabRegistry:
 
 
 def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None,
-                   host: Host | None = None) -> LabRegistry:
+                   host: Host | None = None, storage: Path | None = None) -> LabRegistry:
     """docker-registry in the hub, or in `host` (a node namespace: behind its capped link);
-    `auth`: its `auth` configuration (e.g. token), if any."""
+    `auth`: its `auth` configuration (e.g. token), if any; `storage`: a registry storage
+    folder to serve (images pushed there before), else an empty one in `workdir`."""
     host = host or lab.hub
-    storage = workdir / "registry"
+    storage = storage or workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "registry.yml"
     config.write_text(json.dumps({
         "version": 0.1,
@@ -626,11 +629,13 @@ class LabNode:
 
 def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, registry: LabRegistry,
                 swarm: dict | None = None, metrics: bool = False, timeout: float = 30,
-                env: dict | None = None, fetch: dict | None = None) -> list[LabNode]:
+                env: dict | None = None, fetch: dict | None = None,
+                tables: Callable[[Path], dict[str, dict]] | None = None) -> list[LabNode]:
     """One `shoal node` per host (the swarm on, listening on the host's address; the
     region and origin in the hub), started at once; returns when all answer. `workdir`
     must be short: unix socket paths live in it. `env`: more environment (e.g. a
-    DOCKER_CONFIG of the nodes' own); `fetch`: [fetch] keys over the region's."""
+    DOCKER_CONFIG of the nodes' own); `fetch`: [fetch] keys over the region's; `tables`:
+    more configuration tables, a function of the node's folder (e.g. its [containerd])."""
     nodes = []
     for host in hosts:
         d = workdir / host.ns
@@ -638,6 +643,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
         config = {
             "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host], **(fetch or {})},
             "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
+            **(tables(d) if tables else {}),
         }
         metrics_address = ""
         if metrics:

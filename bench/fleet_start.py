@@ -1,0 +1,447 @@
+"""Fleet start: one new image started on N nodes at the same moment behind one region.
+
+    .venv/bin/python bench/fleet_start.py [--quick] [--json] [--nodes 2,4,6] [--rate 1000]
+                                          [--registry-rate 1000] [--small-from N] [--keep-work]
+
+The lab (tests/lab/netlab.py): every node is a network namespace of its own with its own
+containerd and, for shoal, its own `shoal node` (swarm on), its link capped both ways with
+`tc tbf` at --rate Mbit/s; the origin registry (Debian docker-registry) is a namespace of
+its own behind a link capped at --registry-rate Mbit/s (the registry's uplink is what melts
+in a fleet start); `shoal region` (cache, tracker, torrent metadata) sits in the hub
+(uncapped: a region cache is the fleet's big pipe). Cold nodes and a cold region for every
+run; the image is pushed once before.
+
+Scenarios, per N:
+- a: containerd on every node: `ctr image pull --plain-http` (fetch + unpack) + `ctr run`;
+- b: shoal, cold region, no access profile (`[fetch] prefetch_profiles = false`):
+  `shoal pull` + `ctr run --snapshotter shoal`; the first (b) run's node 1 then publishes
+  what it read as the image's access profile (`shoal profile save --push`, not timed);
+- c: shoal with that profile (default nodes, which prefetch it at the pull).
+
+Every node starts at the same moment (one barrier); time to first useful work is from
+there to the command's output on that node. Per run:
+- p50_s, p99_s: nearest-rank percentiles over the nodes;
+- origin_bytes: response bytes the registry logged from the start until the region's fills
+  and the nodes' layer proofs were done (everything the start cost the origin);
+- read_bytes: the blob bytes one node read (scenario a: the image's layers; shoal: the
+  node's bytes from peers, region and origin once its layers are proven, which reads each
+  layer's whole blob after the start: the largest over the nodes, one copy);
+  start_read_bytes: the same when the last node's command answered (what the starts read);
+- origin_bytes_ratio = origin_bytes / read_bytes; origin_image_ratio = origin_bytes / the
+  image's compressed size; region_bytes_ratio: bytes the nodes took from the region /
+  read_bytes; peer_bytes: bytes the nodes took from each other.
+- cpu_busy: the machine's CPU use over the run (1.0 = both cores busy): where it reaches
+  about 1, the CPU and not the network sets the times.
+
+Then a model (labelled so) fitted on the measured runs of each scenario (p99 = x + y*N for
+a, whose origin uplink carries N copies; p99 = x + y*log2(N) for shoal, one copy and a
+swarm whose depth grows with log N) gives 1,000 and 10,000 nodes.
+
+--quick: the small image (Debian python3.11, tests/rootfs.py), N = 2 and 3, about two
+minutes. Needs root (namespaces, containerd, FUSE).
+
+Targets (issue 12): (b) p99 <= 0.3x (a)'s p99 and origin bytes <= 1.05x the bytes the nodes
+read at every N; (c) p99 <= 0.2x (a)'s p99.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common
+import lazy_start
+from lazy_start import BenchFailure, Image, Procs
+
+from tests import services
+from tests.lab import netlab
+
+TARGET_B, TARGET_C, TARGET_ORIGIN = 0.3, 0.2, 1.05
+NAMESPACE = lazy_start.NAMESPACE
+REPO_NAME = lazy_start.REPO_NAME
+
+
+@dataclass
+class HostNs:
+    """A lab host as lazy_start's helpers take a namespace: `.prefix` runs a command in it."""
+
+    host: netlab.Host
+
+    @property
+    def prefix(self) -> list[str]:
+        return netlab._netns(self.host)
+
+
+@dataclass
+class NodeRun:
+    seconds: float | None = None
+    error: str = ""
+    figures: dict = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def registry_bytes(registry: netlab.LabRegistry) -> int:
+    return sum(int(e.get("http.response.written", 0)) for e in netlab.registry_log(registry.log_path)
+               if e.get("http.request.method") == "GET")
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine."""
+    with open("/proc/stat") as fh:
+        parts = [int(x) for x in fh.readline().split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def start_at_once(jobs: list, work) -> list[NodeRun]:
+    """Run work(job) for every job on a thread of its own, all released by one barrier;
+    each NodeRun's seconds from the release to its end."""
+    barrier = threading.Barrier(len(jobs) + 1)
+    out = [NodeRun() for _ in jobs]
+
+    def one(i: int) -> None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        try:
+            work(jobs[i])
+            out[i].seconds = time.perf_counter() - t0
+        except BenchFailure as e:
+            out[i].error = str(e)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    for t in threads:
+        t.join()
+    return out
+
+
+def node_figures(node: netlab.LabNode, run: NodeRun) -> dict:
+    try:
+        return node.status()["fetch"]
+    except (RuntimeError, ValueError, KeyError) as e:
+        run.error = run.error or f"status: {e}"
+        return {}
+
+
+def node_read(figures: dict) -> int:
+    """Compressed blob bytes a node took from the network (peers, region, origin)."""
+    return sum(figures.get(k, 0) for k in ("bytes_from_peers", "bytes_from_region", "bytes_from_origin"))
+
+
+def wait_settled(lab: netlab.Lab, region: netlab.LabRegion, nodes: list[netlab.LabNode],
+                 timeout: float = 600) -> None:
+    """Until the region runs no fill and every node has proven its lazy layers (each
+    node's proof reads the layer's whole blob through its chain, after the start): then
+    the origin's part of this start is over and each node has read the whole image."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not region.status(lab)["region"].get("fills_running") and all(
+                    ly.get("proof") in ("proven", "bad") for node in nodes for ly in node.status()["lazy_layers"]):
+                return
+        except (RuntimeError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    common.say("fills or proofs still running after the wait")
+
+
+class Fleet:
+    """The lab for a whole benchmark: hosts for the largest N, the registry host, the
+    pushed image; runs one (N, scenario) at a time on cold nodes and a cold region."""
+
+    def __init__(self, lab: netlab.Lab, work: Path, procs: Procs, image: Image, storage: Path, nodes: int,
+                 rate: float, registry_rate: float) -> None:
+        self.lab, self.work, self.procs, self.image = lab, work, procs, image
+        reg_host = lab.add_node(rate_mbit=registry_rate)
+        self.hosts = [lab.add_node(rate_mbit=rate) for _ in range(nodes)]
+        self.registry = netlab.start_registry(lab, work / "registry", host=reg_host, storage=storage)
+        self.gz_ref = f"{self.registry.host}/{REPO_NAME}:gzip"
+        self.ref = f"{self.registry.host}/{REPO_NAME}:shoal"
+        self.runs = 0
+        self.profile_published = False
+
+    def _dir(self, label: str) -> Path:
+        self.runs += 1
+        d = self.work / f"r{self.runs}"
+        d.mkdir()
+        common.say(f"--- {label}")
+        lazy_start.settle()
+        return d
+
+    def containerd(self, n: int) -> dict:
+        d = self._dir(f"N={n} (a) containerd pull + run on every node")
+        servers = [lazy_start.start_containerd_in(HostNs(h), d / f"c{i}", self.procs) for i, h in
+                   enumerate(self.hosts[:n])]
+        try:
+            def work(i: int) -> None:
+                ns, server = HostNs(self.hosts[i]), servers[i]
+                lazy_start.run_cmd(lazy_start.ctr(ns, server, "image", "pull", "--plain-http", self.gz_ref),
+                                   lazy_start.PULL_TIMEOUT, "ctr image pull")
+                out = lazy_start.run_cmd(lazy_start.ctr_run(ns, server, self.gz_ref, f"fleet{i}", self.image.cmd),
+                                         lazy_start.RUN_TIMEOUT, "ctr run")
+                lazy_start.check_output(out, self.image.expected, "ctr run (overlayfs)")
+
+            before, cpu0 = registry_bytes(self.registry), cpu_ticks()
+            results = start_at_once(list(range(n)), work)
+            cpu1 = cpu_ticks()
+            origin = registry_bytes(self.registry) - before
+        finally:
+            for server in servers:
+                self.procs.stop_containerd(server)
+        return self._summary(n, "a", results, origin, self.image.gzip_bytes, self.image.gzip_bytes, 0, 0, cpu0, cpu1)
+
+    def shoal(self, n: int, profiled: bool) -> dict:
+        scenario = "c" if profiled else "b"
+        d = self._dir(f"N={n} ({scenario}) shoal pull + run, cold region, "
+                      + ("the image's access profile" if profiled else "no profile"))
+        region = netlab.start_region(self.lab, d, self.registry, port=5080 + self.runs)
+        servers: list[services.ContainerdServer] = []
+        nodes: list[netlab.LabNode] = []
+        try:
+            fetch = {} if profiled else {"prefetch_profiles": False}
+            nodes = netlab.start_nodes(self.lab, self.hosts[:n], d, region, self.registry, fetch=fetch,
+                                       tables=lambda nd: {"containerd": {"address": str(nd / "c" / "containerd.sock")}})
+            servers = [lazy_start.start_containerd_in(HostNs(node.host), node.dir / "c", self.procs,
+                                                      proxy_socket=node.socket) for node in nodes]
+
+            def work(i: int) -> None:
+                ns, server = HostNs(nodes[i].host), servers[i]
+                lazy_start.run_cmd([*ns.prefix, common.SHOAL, "pull", self.ref, "--address", server.address,
+                                    "--namespace", NAMESPACE, "--plain-http"], lazy_start.PULL_TIMEOUT, "shoal pull")
+                out = lazy_start.run_cmd(lazy_start.ctr_run(ns, server, self.ref, f"fleet{i}", self.image.cmd,
+                                                            snapshotter="shoal"), lazy_start.RUN_TIMEOUT,
+                                         "ctr run --snapshotter shoal")
+                lazy_start.check_output(out, self.image.expected, "ctr run --snapshotter shoal")
+
+            before, cpu0 = registry_bytes(self.registry), cpu_ticks()
+            results = start_at_once(list(range(n)), work)
+            cpu1 = cpu_ticks()
+            start_read = max((node_read(node_figures(node, r)) for node, r in zip(nodes, results, strict=True)),
+                             default=0)
+            wait_settled(self.lab, region, nodes)
+            origin = registry_bytes(self.registry) - before
+            for node, r in zip(nodes, results, strict=True):
+                r.figures = node_figures(node, r)
+            read = max((node_read(r.figures) for r in results), default=0)
+            from_region = sum(r.figures.get("bytes_from_region", 0) for r in results)
+            peers = sum(r.figures.get("bytes_from_peers", 0) for r in results)
+            if not profiled and not self.profile_published and not any(r.error for r in results):
+                saved = lazy_start.run_cmd([*HostNs(nodes[0].host).prefix, common.SHOAL, "profile", "save",
+                                            self.ref, "--root", nodes[0].root, "--push", "--plain-http"], 120,
+                                           "shoal profile save")
+                self.profile_published = True
+                common.say(f"published the access profile: {saved.stdout.strip().splitlines()[:1]}")
+            for i, r in enumerate(results):
+                if r.error:
+                    r.error += "\n" + nodes[i].log(1500)
+        finally:
+            for server in servers:
+                self.procs.stop_containerd(server)
+            for node in nodes:
+                node.stop(self.lab)
+            for node in nodes:
+                node.unmount()
+            self.lab.kill(region.proc, signal.SIGTERM)
+        out = self._summary(n, scenario, results, origin, read, self.image.shoal_bytes, from_region, peers,
+                            cpu0, cpu1)
+        out["start_read_bytes"] = start_read
+        return out
+
+    def _summary(self, n: int, scenario: str, results: list[NodeRun], origin: int, read: int, image_bytes: int,
+                 from_region: int, peers: int, cpu0: tuple[int, int], cpu1: tuple[int, int]) -> dict:
+        times = [r.seconds for r in results if r.seconds is not None]
+        errors = [r.error for r in results if r.error]
+        out = {
+            "nodes": n, "scenario": scenario,
+            "p50_s": round(percentile(times, 50), 3) if times else None,
+            "p99_s": round(percentile(times, 99), 3) if times else None,
+            "times_s": [round(t, 3) for t in times],
+            "origin_bytes": origin, "read_bytes": read, "image_bytes": image_bytes,
+            "origin_bytes_ratio": round(origin / read, 3) if read else None,
+            "origin_image_ratio": round(origin / image_bytes, 3) if image_bytes else None,
+            "region_bytes_ratio": round(from_region / read, 3) if read else None,
+            "region_bytes": from_region, "peer_bytes": peers,
+            "cpu_busy": round((cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]), 3),
+            "image": self.image.what,
+        }
+        if errors:
+            out["errors"] = [e[:3000] for e in errors]
+        common.say(f"N={n} ({scenario}): p50 {out['p50_s']} s, p99 {out['p99_s']} s, origin {origin / 1e6:,.1f} MB "
+                   f"({out['origin_bytes_ratio']}x of one read, {out['origin_image_ratio']}x of the image), "
+                   f"region {from_region / 1e6:,.1f} MB, peers {peers / 1e6:,.1f} MB, CPU {out['cpu_busy']:.0%}"
+                   + (f"; {len(errors)} node(s) FAILED: {errors[0][:300]}" if errors else ""))
+        return out
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares y = x0 + x1 * t over (t, y); None with fewer than two distinct t."""
+    if len({t for t, _ in points}) < 2:
+        return None
+    n = len(points)
+    mt, my = sum(t for t, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((t - mt) * (y - my) for t, y in points) / sum((t - mt) ** 2 for t, _ in points)
+    return my - slope * mt, slope
+
+
+def model(runs: list[dict]) -> list[dict]:
+    """The fitted model at 1,000 and 10,000 nodes (scenario a: linear in N, the origin
+    uplink carries N copies; shoal: linear in log2 N, one origin copy spread by the swarm)."""
+    out = []
+    for scenario, shape in (("a", "N"), ("b", "log2 N"), ("c", "log2 N")):
+        pts = [(r["nodes"] if shape == "N" else math.log2(r["nodes"]), r["p99_s"]) for r in runs
+               if r["scenario"] == scenario and r["p99_s"] is not None]
+        coef = fit(pts)
+        if coef is None:
+            continue
+        ratios = [r["origin_image_ratio"] for r in runs if r["scenario"] == scenario and r["origin_image_ratio"]]
+        for n in (1000, 10000):
+            t = n if shape == "N" else math.log2(n)
+            per_node_origin = (sum(ratios) / len(ratios) / max(1, runs[0]["nodes"])) if scenario == "a" else None
+            out.append({
+                "model": True, "scenario": scenario, "nodes": n, "shape": f"p99 = {coef[0]:.2f} + {coef[1]:.3f} * {shape}",
+                "p99_s": round(coef[0] + coef[1] * t, 1), "fitted_on": sorted({r["nodes"] for r in runs
+                                                                               if r["scenario"] == scenario}),
+                "origin_image_ratio": round(n * per_node_origin, 1) if per_node_origin else (
+                    round(max(ratios), 3) if ratios else None),
+            })
+    return out
+
+
+def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, small_from: int | None,
+            keep: bool) -> dict:
+    lazy_start.preflight()
+    reason = netlab.lab_missing(fuse=True)
+    if reason:
+        sys.exit(f"bench: {reason}")
+    work = Path(tempfile.mkdtemp(prefix="sf-", dir="/tmp"))  # short: unix socket paths live in it
+    procs = Procs(work)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    runs: list[dict] = []
+    images = []
+    try:
+        groups: list[tuple[Image, list[int]]] = []
+        big = [n for n in nodes if quick is False and (small_from is None or n < small_from)]
+        small = [n for n in nodes if n not in big]
+        if big:
+            groups.append((lazy_start.torch_image(), big))
+        if small:
+            groups.append((lazy_start.quick_image(work), small))
+        for image, ns in groups:
+            image.gzip_bytes = lazy_start.layout_bytes(image.gzip_layout, image.tag)
+            image.shoal_bytes = lazy_start.layout_bytes(image.shoal_layout, image.tag)
+            common.say(f"image: {image.what}; gzip {image.gzip_bytes / 1e6:,.1f} MB, shoal "
+                       f"{image.shoal_bytes / 1e6:,.1f} MB; N = {ns}")
+            images.append({"image": image.what, "gzip_bytes": image.gzip_bytes, "shoal_bytes": image.shoal_bytes,
+                           "nodes": ns})
+            idir = work / f"i{len(images)}"
+            idir.mkdir()
+            storage = lazy_start.push_images(image, idir)
+            with netlab.Lab() as lab:
+                try:
+                    fleet = Fleet(lab, idir, procs, image, storage, max(ns), rate, registry_rate)
+                    for n in ns:
+                        runs.append(fleet.containerd(n))
+                        runs.append(fleet.shoal(n, profiled=False))
+                        runs.append(fleet.shoal(n, profiled=True))
+                finally:
+                    procs.stop_all()
+        return {"quick": quick, "rate_mbit": rate, "registry_rate_mbit": registry_rate, "cores": common.cores(),
+                "images": images, "runs": runs, "model": model(runs)}
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        procs.stop_all()
+        stuck = services.unmount_under(work)
+        if stuck:
+            common.say(f"cleanup: still mounted under {work}: {stuck}")
+        if keep:
+            common.say(f"work directory kept: {work}")
+        elif not stuck:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def report(f: dict) -> str:
+    by = {(r["nodes"], r["scenario"]): r for r in f["runs"]}
+    rows = []
+    for r in f["runs"]:
+        a = by.get((r["nodes"], "a"))
+        vs = f"{r['p99_s'] / a['p99_s']:.3f}x" if a and a["p99_s"] and r["p99_s"] else "-"
+        rows.append([r["nodes"], r["scenario"], r["p50_s"], r["p99_s"], vs, r["origin_bytes_ratio"],
+                     r["origin_image_ratio"], r["region_bytes_ratio"], f"{r['peer_bytes'] / 1e6:,.1f}",
+                     f"{r['read_bytes'] / 1e6:,.1f}", f"{r['cpu_busy']:.0%}", "FAILED" if r.get("errors") else ""])
+    lines = [(f"fleet start: node links {f['rate_mbit']:g} Mbit/s, registry uplink {f['registry_rate_mbit']:g} Mbit/s, "
+             f"{f['cores']} cores"),
+             *[f"image: {i['image']} (gzip {i['gzip_bytes'] / 1e6:,.1f} MB, shoal {i['shoal_bytes'] / 1e6:,.1f} MB), "
+               f"N = {i['nodes']}" for i in f["images"]],
+             "a: containerd pull + run; b: shoal, cold region, no profile; c: shoal with the access profile", "",
+             common.table(["N", "scen", "p50 s", "p99 s", "p99/(a)", "origin/read", "origin/image", "region/read",
+                           "peer MB", "read MB", "CPU", ""], rows), ""]
+    for r in f["runs"]:
+        a = by.get((r["nodes"], "a"))
+        if r["scenario"] == "a" or not (a and a["p99_s"] and r["p99_s"]):
+            continue
+        want = TARGET_B if r["scenario"] == "b" else TARGET_C
+        ratio = r["p99_s"] / a["p99_s"]
+        lines.append(f"target N={r['nodes']} ({r['scenario']}): p99 {ratio:.3f}x of (a) (want <= {want})  "
+                     f"{'PASS' if ratio <= want else 'MISS'}")
+        if r["origin_bytes_ratio"] is not None:
+            lines.append(f"target N={r['nodes']} ({r['scenario']}): origin {r['origin_bytes_ratio']:.3f}x of one read "
+                         f"(want <= {TARGET_ORIGIN})  {'PASS' if r['origin_bytes_ratio'] <= TARGET_ORIGIN else 'MISS'}")
+    if f["model"]:
+        lines += ["", "MODEL (not measured): fitted on the runs above",
+                  common.table(["scen", "N", "p99 s", "origin/image", "fit", "fitted on N"],
+                               [[m["scenario"], m["nodes"], m["p99_s"], m["origin_image_ratio"], m["shape"],
+                                 m["fitted_on"]] for m in f["model"]])]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", help="comma-separated N (default 2,4,6; --quick 2,3)")
+    p.add_argument("--rate", type=float, default=1000.0, help="each node's link, Mbit/s each way (default 1000)")
+    p.add_argument("--registry-rate", type=float, default=1000.0, help="the registry's uplink, Mbit/s (default 1000)")
+    p.add_argument("--small-from", type=int, default=None,
+                   help="use the small image for N at or above this (the torch image does not fit more nodes)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work directory (logs)")
+    args = p.parse_args()
+    try:
+        nodes = sorted({int(x) for x in (args.nodes or ("2,3" if args.quick else "2,4,6")).split(",")})
+    except ValueError:
+        p.error("--nodes: comma-separated whole numbers")
+    if not nodes or nodes[0] < 1 or nodes[-1] > 100:
+        p.error("--nodes: between 1 and 100 nodes")
+    try:
+        figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work)
+    except KeyboardInterrupt:
+        common.say("interrupted; everything started was stopped")
+        return 130
+    except BenchFailure as e:
+        sys.exit(f"bench: {e}")
+    if args.json:
+        common.emit_json({"runs": figures["runs"], **{k: v for k, v in figures.items() if k != "runs"}})
+    else:
+        print(report(figures))
+    return 1 if any(r.get("errors") for r in figures["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
