@@ -131,43 +131,19 @@ def nodes(world):
             world.lab.uncap(host)
 
 
-def _parallel(fn, items) -> list:
-    results: list = [None] * len(items)
-    errors: list = []
-
-    def run(i, item):
-        try:
-            results[i] = fn(item)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, item)) for i, item in enumerate(items)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
-def _sha256_file(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while data := fh.read(MiB):
-            h.update(data)
-    return h.hexdigest()
 
 
 def _provide(world: World, nodes: list[netlab.LabNode], image: netlab.LabImage) -> list[Path]:
     """Each node provides the image's one layer (lazily); its mount point on each."""
-    return [mounts[0] for mounts in _parallel(lambda node: node.provide(world.lab, image), nodes)]
+    return [mounts[0] for mounts in netlab.parallel(lambda node: node.provide(world.lab, image), nodes)]
 
 
 def _read(mount: Path, files: dict[str, str]) -> dict[str, str]:
     """Every file of the layer read through the node's FUSE mount (files at once): name -> sha256."""
     names = sorted(files)
-    return dict(zip(names, _parallel(lambda name: _sha256_file(mount / name), names)))
+    return dict(zip(names, netlab.parallel(lambda name: netlab.sha256_file(mount / name), names)))
 
 
 def test_a_blob_one_node_fetched_comes_from_peers(world, nodes):
@@ -181,7 +157,7 @@ def test_a_blob_one_node_fetched_comes_from_peers(world, nodes):
     group = nodes(4)
     mounts = _provide(world, group, image)
     assert _read(mounts[0], files) == files
-    assert _parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
+    assert netlab.parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
 
     region_served = world.region_bytes() - region_before
     origin_served = world.origin_bytes(digest) - origin_before  # each node's TOC read (Prepare)
@@ -249,8 +225,8 @@ def test_a_node_killed_mid_transfer(world, nodes):
     for node in others:
         path = results.get(node.host.ip)
         assert isinstance(path, str), f"{node.host.ip}: {path!r}\n{node.log()}"
-        assert "sha256:" + _sha256_file(path) == digest
-    assert _parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
+        assert "sha256:" + netlab.sha256_file(path) == digest
+    assert netlab.parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
     region_served = world.region_bytes() - region_before
     print(f"\nkilled at {[g / size for g in got]} of the blob from peers; region then served "
           f"{region_served:,} B ({region_served / size:.3f} copies)")
@@ -321,7 +297,7 @@ def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes)
         time.sleep(0.1)
     assert world.region.status(world.lab)["region"]["store_verify_failures"] >= 1, "the region kept its bad copy"
     # dropped, or already filled again from the origin by a later request: never the bad copy
-    assert not stored.exists() or "sha256:" + _sha256_file(stored) == digest
+    assert not stored.exists() or "sha256:" + netlab.sha256_file(stored) == digest
 
 
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")

@@ -928,8 +928,12 @@ class RegionCache:
         """Whether the range reads hold (or bring) enough of the blob from the fill's
         position on to cut the fill's origin answer for it: at least TAKE_AT_LEAST
         bytes (a shorter run costs less read again than the bytes in flight in the
-        answer it cuts and the request after it)."""
-        return fill.reuse and not fill.ranges_refused and fill.coming(fill.written) - fill.written >= TAKE_AT_LEAST
+        answer it cuts and the request after it), or a run of any length that ends the
+        blob (a lazy start's TOC and last chunks: no request after it)."""
+        if not fill.reuse or fill.ranges_refused:
+            return False
+        run = fill.coming(fill.written) - fill.written
+        return run >= TAKE_AT_LEAST or (run > 0 and fill.written + run == fill.size)
 
     @staticmethod
     def _next_run(fill: Fill) -> int | None:

@@ -508,9 +508,18 @@ class LabImage:
 
 def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Path, name: str,
                   timeout: float = 120, authorization: str = "") -> LabImage:
+    """push_image, then wait until the region serves the torrent of every layer (which
+    also fills the layers into the region)."""
+    image = push_image(lab, registry, layout, name)
+    for layer in image.layers:
+        image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
+                                                       timeout, authorization)
+    return image
+
+
+def push_image(lab: Lab, registry: LabRegistry, layout: Path, name: str) -> LabImage:
     """Copy an OCI layout's image (converted already: its layers pass through) to the
-    origin as REGISTRY/`name` with `shoal convert`, and wait until the region serves the
-    torrent of every layer (which also fills the layers into the region)."""
+    origin as REGISTRY/`name` with `shoal convert` (the region does not know it yet)."""
     from builder.oci.refs import open_source
 
     ref = f"{registry.host}/{name}"
@@ -522,11 +531,41 @@ def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Pa
             diff_ids = json.loads(stream.read())["rootfs"]["diff_ids"]
     if summary["digest"] != root.digest:
         raise RuntimeError(f"{ref}: pushed {summary['digest']}, the layout holds {root.digest}")
-    image = LabImage(ref, root.digest, doc["layers"], diff_ids)
-    for layer in image.layers:
-        image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
-                                                       timeout, authorization)
-    return image
+    return LabImage(ref, root.digest, doc["layers"], diff_ids)
+
+
+def parallel(fn, items) -> list:
+    """fn(item) for every item, each on a thread of its own, all at once; the results in
+    order; the first exception raised again."""
+    import threading
+
+    results: list = [None] * len(items)
+    errors: list = []
+
+    def run(i, item):
+        try:
+            results[i] = fn(item)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, item)) for i, item in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def sha256_file(path: Path | str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while data := fh.read(1 << 20):
+            h.update(data)
+    return h.hexdigest()
 
 
 # --- nodes -----------------------------------------------------------------------------------

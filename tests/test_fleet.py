@@ -1,0 +1,122 @@
+"""A fleet start on real nodes (issue 12): four `shoal node`s (swarm on), each in a
+network namespace of its own, start one lazy image at the same moment behind a cold
+`shoal region`; the origin (Debian's docker-registry) sits behind a link of its own capped
+with `tc tbf`, so the region's fill of the layer takes several seconds (tests/lab/netlab.py).
+
+What must hold:
+- the files read right on every node;
+- a read that needs the end of the blob (the TOC, the last file) is answered while the
+  region's fill is still far from there: no node's read waits for the fill of another
+  part of the blob (checked against the region's own fill position, not a clock);
+- the origin serves one copy: the bytes it sent for the layer are at most its size (plus
+  the overlap of a range read that the fill overtook), however many nodes read it, and no
+  node went to the origin itself (which a node does when the region does not answer
+  within its read deadline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (shoal[node])")
+pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
+
+from tests.lab import netlab
+
+MiB = 1 << 20
+NODES = 4
+REGISTRY_MBIT = 40  # the fill of the ~34 MiB layer takes about 7 s at best
+HEAD_FILES = {f"a{i}": 8 * MiB for i in range(4)}
+TAIL_FILE = ("z", 2 * MiB)  # sorted last: its chunks end the blob, just before the TOC
+# what the fill may fetch again of what range reads brought: a run shorter than the
+# region's TAKE_AT_LEAST that does not reach the blob's end (here the last file, before
+# the TOC's frame), and what the origin had in flight in an answer the fill cut
+OVERLAP = 4 * MiB
+
+_MISSING = netlab.lab_missing(fuse=True)
+pytestmark = [pytest.mark.registry, pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))]
+
+
+
+
+
+
+def _image(work: Path) -> tuple[Path, dict[str, str]]:
+    """A one-layer zstd:chunked image of random (incompressible) files; name -> sha256."""
+    from builder.convert import convert
+    from tests.lab.fromdir import build_image
+
+    tree = work / "tree"
+    tree.mkdir(parents=True)
+    files = {}
+    for i, (name, size) in enumerate([*HEAD_FILES.items(), TAIL_FILE]):
+        data = random.Random(1200 + i).randbytes(size)
+        (tree / name).write_bytes(data)
+        files[name] = hashlib.sha256(data).hexdigest()
+    build_image([str(tree)], f"oci:{work}/plain", compression="none", workdir=str(work))
+    convert(f"oci:{work}/plain", f"oci:{work}/chunked")
+    return work / "chunked", files
+
+
+def _fill_done(lab: netlab.Lab, region: netlab.LabRegion, timeout: float = 240) -> dict:
+    """The region's status once it runs no fill (from then on it serves the layer from
+    its store: the origin's part of this start is over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = region.status(lab)["region"]
+        if not status["fills_running"]:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the region's fill did not end: {status.get('filling')}")
+        time.sleep(0.2)
+
+
+def test_four_nodes_start_one_image_behind_a_cold_region_at_one_origin_copy(tmp_path):
+    short = Path(tempfile.mkdtemp(prefix="shfl-", dir="/tmp"))  # unix socket paths must be short
+    try:
+        with netlab.Lab() as lab:
+            registry_host = lab.add_node(rate_mbit=REGISTRY_MBIT)
+            registry = netlab.start_registry(lab, tmp_path, host=registry_host)
+            region = netlab.start_region(lab, tmp_path, registry)
+            hosts = [lab.add_node() for _ in range(NODES)]
+            layout, files = _image(tmp_path / "image")
+            image = netlab.push_image(lab, registry, layout, "fleet/img:v1")
+            [layer] = image.layers
+            digest, size = layer["digest"], layer["size"]
+            nodes = netlab.start_nodes(lab, hosts, short, region, registry)
+
+            # every node at once: prepare the layer (its TOC, at the end of the blob), read the last file
+            mounts = netlab.parallel(lambda node: node.provide(lab, image)[0], nodes)
+            tail = netlab.parallel(lambda mount: netlab.sha256_file(mount / TAIL_FILE[0]), mounts)
+            assert tail == [files[TAIL_FILE[0]]] * NODES
+            filling = region.status(lab)["region"]["filling"].get(digest)
+            assert filling is not None, "the region's fill ended before the reads of the blob's end did"
+            assert filling["written"] < size - TAIL_FILE[1], (
+                f"the fill had reached {filling['written']} of {size} bytes: the tail's reads may have waited for it")
+
+            # then the rest of the image, every node at once
+            for name in HEAD_FILES:
+                assert netlab.parallel(lambda mount, name=name: netlab.sha256_file(mount / name), mounts) == [files[name]] * NODES
+
+            status = _fill_done(lab, region)
+            _, origin = registry.bytes_written(digest)
+            assert origin <= size + OVERLAP, f"the origin sent {origin} bytes of a {size}-byte layer to {NODES} nodes"
+            assert status["fills_committed"] >= 1
+            for node in nodes:
+                fetch = node.status()["fetch"]
+                assert fetch["bytes_from_origin"] == 0, f"{node.host.ns} went to the origin: {fetch}"
+                assert not any(fetch["hangs"].values()), f"{node.host.ns}: a source did not answer in time: {fetch}"
+                assert fetch["tocs_loaded"] == 1
+            for node in nodes:
+                node.stop(lab)
+            for node in nodes:
+                assert not node.unmount()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
