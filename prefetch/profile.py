@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from builder.oci.base import Manifest
@@ -150,10 +150,16 @@ def _commands(value: object, what: str) -> list[list[str]]:
     return value
 
 
+# (digest, size, what, limit) -> the blob's bytes, checked against its digest; ShoalError
+ReadBlob = Callable[[str, int | None, str, int], bytes]
+
+
 def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: bool = False,
-                  layers: Iterable[str] | None = None) -> Profile | None:
+                  layers: Iterable[str] | None = None, read_blob: ReadBlob | None = None) -> Profile | None:
     """The published profile of an image, or None if it has none. Raises ShoalError for
-    a registry that fails or a profile that is malformed."""
+    a registry that fails or a profile that is malformed. The profile's manifest (a tag)
+    comes from the registry; its blob through `read_blob` when given (a node's fetch
+    chain: the region serves it to a fleet at one origin copy)."""
     src = RegistrySource(DockerRef(host, repository, tag=profile_tag(manifest_digest)), plain_http)
     try:
         try:
@@ -168,7 +174,10 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
         bound = doc.annotations.get(MANIFEST_ANNOTATION)
         if bound != manifest_digest:
             raise FormatError(f"{what}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
-        data = src.read_small_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
+        if read_blob is not None:
+            data = read_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
+        else:
+            data = src.read_small_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
         return Profile.from_json(data, manifest_digest, layers)
     finally:
         src.close()

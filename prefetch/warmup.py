@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from builder.format.toc import Chunk
-from prefetch.profile import Profile, fetch_profile
+from prefetch.profile import Profile, ReadBlob, fetch_profile
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.fs")  # (the warm-up runs in the layer file system process)
@@ -204,12 +204,13 @@ class Warmth:
 
 
 def published_profile(registry: str, repository: str, manifest_digest: str, plain_http: bool, layers: list,
-                      limit: int, image: str) -> Profile | None:
+                      limit: int, image: str, read_blob: ReadBlob | None = None) -> Profile | None:
     """The access profile published for the image (prefetch/profile.py), bounded to its
     first `limit` compressed bytes (logged); None if there is none or it cannot be read
-    (logged: a warm-up is an optimisation). `layers`: the manifest's layer digests."""
+    (logged: a warm-up is an optimisation). `layers`: the manifest's layer digests;
+    `read_blob`: how the profile's blob is read (the node's fetch chain), else from the registry."""
     try:
-        profile = fetch_profile(registry, repository, manifest_digest, plain_http, layers)
+        profile = fetch_profile(registry, repository, manifest_digest, plain_http, layers, read_blob)
     except (ShoalError, OSError, ValueError) as e:
         log_image.warning("%s: access profile of %s not used: %s", image, manifest_digest, e)
         return None

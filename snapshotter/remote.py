@@ -37,9 +37,8 @@ from builder.format.footer import (
     OLD_MANIFEST_POSITION,
     location_from_annotations,
 )
-from builder.oci.documents import parse_config, parse_manifest
-from builder.oci.refs import DockerRef, parse_registry_ref
-from builder.oci.registry import RegistrySource
+from builder.oci.documents import MAX_DOCUMENT_BYTES, parse_config, parse_manifest
+from builder.oci.refs import parse_registry_ref
 from builder.tarstream import Decompressing
 from cache.origin import use_plain_http
 from cache.source import BlobRef
@@ -50,6 +49,7 @@ from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
 from snapshotter.fs.client import FSClient
+from snapshotter.nodefetch import NodeFetch
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
     LABEL_LAYER_DIGEST,
@@ -95,6 +95,16 @@ class RemoteLayers:
         self.prefetched_images = 0  # images whose access profile was handed to the layer fs
         self.warm_errors: dict[str, str] = {}  # layer digest -> why its last warm-up failed
         self._diff_ids: dict[str, str] = {}  # unpacked folder -> the diff_id its unpack computed
+        self._fetch: NodeFetch | None = None
+
+    @property
+    def fetch(self) -> NodeFetch:
+        """What this process fetches itself (manifests, configs, profiles, blobs to
+        unpack) goes through the node's fetch chain (snapshotter/nodefetch.py)."""
+        with self._locks_lock:
+            if self._fetch is None:
+                self._fetch = NodeFetch(self.root, self.config)
+            return self._fetch
 
     # --- the seam -------------------------------------------------------------------------
 
@@ -177,8 +187,11 @@ class RemoteLayers:
         if not self.config.get("prefetch_profiles", True):
             return None
         digests = [d.get("digest") for d in layers if isinstance(d, dict)]
+        def read_blob(digest: str, size: int | None, what: str, limit: int) -> bytes:
+            return self.fetch.small_blob(dataclasses.replace(blob, digest=digest, size=size), what, limit)
+
         profile = published_profile(blob.registry, blob.repository, manifest_digest, blob.plain_http, digests,
-                                    int(self.config.get("prefetch_max_bytes", 8 << 30)), image)
+                                    int(self.config.get("prefetch_max_bytes", 8 << 30)), image, read_blob)
         if profile is None:
             return None
         try:
@@ -310,15 +323,14 @@ class RemoteLayers:
 
     # --- the layer descriptor ----------------------------------------------------------------
 
-    @staticmethod
-    def _manifest_layers(blob: BlobRef, manifest_digest: str) -> list:
-        """The layer descriptors of the manifest (fetched by digest, so verified)."""
-        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
-        try:
-            data = source.get_manifest(check_digest(manifest_digest)).data
-        finally:
-            source.close()
-        return [ly.raw for ly in parse_manifest(data, f"{blob.registry}/{blob.repository}@{manifest_digest}").layers]
+    def _manifest(self, blob: BlobRef, manifest_digest: str):
+        """The manifest (fetched by digest through the node's chain, so verified), parsed."""
+        data = self.fetch.manifest(blob.registry, blob.repository, manifest_digest, blob.plain_http)
+        return parse_manifest(data, f"{blob.registry}/{blob.repository}@{manifest_digest}")
+
+    def _manifest_layers(self, blob: BlobRef, manifest_digest: str) -> list:
+        """The layer descriptors of the manifest."""
+        return [ly.raw for ly in self._manifest(blob, manifest_digest).layers]
 
     def _descriptor(self, blob: BlobRef, labels: dict[str, str]) -> dict:
         """The layer's descriptor: from shoal pull's labels, or the verified manifest."""
@@ -402,18 +414,14 @@ class RemoteLayers:
         self._diff_ids[path] = diff_id
         return path, diff_id
 
-    @staticmethod
-    def _with_tar(blob: BlobRef, compression: str, what: str, use: Callable[[BinaryIO], str]) -> str:
-        """use(the blob's decompressed tar stream); the blob is read to its end after, so
-        its digest is checked (VerifyingReader) before the result counts."""
-        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=blob.digest), blob.plain_http)
-        try:
-            with source.open_blob(blob.digest, blob.size) as stream:
-                result = use(Decompressing(stream, compression, what))  # type: ignore[arg-type]
-                while stream.read(1 << 20):
-                    pass
-        finally:
-            source.close()
+    def _with_tar(self, blob: BlobRef, compression: str, what: str, use: Callable[[BinaryIO], str]) -> str:
+        """use(the blob's decompressed tar stream), the blob read through the node's fetch
+        chain; the blob is read to its end after, so its digest is checked (BlobReader)
+        before the result counts."""
+        with self.fetch.open_blob(blob, what) as stream:
+            result = use(Decompressing(stream, compression, what))  # type: ignore[arg-type]
+            while stream.read(1 << 20):
+                pass
         return result
 
     def _check_chain(self, blob: BlobRef, image: str, target: str, parent_chain: str, diff_id: str,
@@ -425,8 +433,7 @@ class RemoteLayers:
         raise DigestMismatch(f"{image}: layer {blob.digest}: the image claims {claim}, but the layer's bytes "
                              f"have diff_id {diff_id}: refused (the image's config does not describe this layer)")
 
-    @classmethod
-    def _claimed_diff_id(cls, blob: BlobRef, manifest_digest: str | None, parent_chain: str,
+    def _claimed_diff_id(self, blob: BlobRef, manifest_digest: str | None, parent_chain: str,
                          target: str) -> str | None:
         """For the error message only: the diff_id in the image's config that makes
         `target` on `parent_chain` (the target alone is what is checked)."""
@@ -434,16 +441,14 @@ class RemoteLayers:
             return target
         if not manifest_digest:
             return None
-        source = RegistrySource(DockerRef(blob.registry, blob.repository, digest=manifest_digest), blob.plain_http)
         try:
-            man = parse_manifest(source.get_manifest(check_digest(manifest_digest)).data, str(blob))
-            config = source.read_small_blob(man.config.digest, man.config.size, f"{blob}: config")
+            man = self._manifest(blob, manifest_digest)
+            config = self.fetch.small_blob(dataclasses.replace(blob, digest=man.config.digest, size=man.config.size),
+                                           f"{blob}: config", MAX_DOCUMENT_BYTES)
             diff_ids = parse_config(config, str(blob)).diff_ids
             return next((d for d in diff_ids if chain_id(parent_chain, d) == target), None)
         except (ShoalError, OSError):
             return None
-        finally:
-            source.close()
 
 
 def _hash_stream(stream: BinaryIO) -> str:

@@ -28,7 +28,10 @@ def node_status(root: str) -> dict:
     unpacked = os.path.join(root, "unpacked")
     if os.path.isdir(unpacked):
         status["unpacked_layers"] = sorted("sha256:" + d for d in os.listdir(unpacked) if not d.startswith("."))
-    status["fetch"] = fetch_figures(status.get("data_path") or {})
+    from snapshotter.nodefetch import read_statistics
+
+    status["node_fetch"] = read_statistics(root)
+    status["fetch"] = fetch_figures(status.get("data_path") or {}, status["node_fetch"])
     return status
 
 
@@ -61,7 +64,13 @@ def layer_proof(layer: dict, chains: list[dict]) -> str:
     return "proven" if states == {"proven"} else "pending"
 
 
-def fetch_figures(data_path: dict) -> dict:
+def _bytes(table: object, name: str) -> int:
+    row = table.get(name) if isinstance(table, dict) else None
+    value = row.get("bytes", 0) if isinstance(row, dict) else 0
+    return value if isinstance(value, int) else 0
+
+
+def fetch_figures(data_path: dict, node: dict | None = None) -> dict:
     """Where the node's bytes came from, and what it gave its peers: the figures of
     `shoal status` and of the node's /metrics. Source bytes are compressed blob bytes
     (the region's and origin's count both paths: for the swarm, which fetches whole
@@ -69,14 +78,22 @@ def fetch_figures(data_path: dict) -> dict:
     verify_failures: per source, ranges whose bytes failed their check (a chunk's
     digest, a piece's SHA-1) and were asked of the next source. hangs: per source, calls
     that did not answer within the read deadline (the source was then skipped for a
-    while, cache/source.py)."""
+    while, cache/source.py).
+    `node`: what the node process fetched itself (snapshotter/nodefetch.py: manifests,
+    configs, profiles, blobs of layers to unpack), added to the region's and origin's
+    bytes; manifest_bytes and unpack_bytes say how much of them that was."""
     sources = data_path.get("sources") or {}
     swarm = sources.get("swarm") or {}
+    node = node or {}
+    own, manifests = node.get("sources") or {}, node.get("manifests") or {}
+    blobs = node.get("blobs") or {}
     return {
         "bytes_from_store": (data_path.get("store") or {}).get("bytes_read", 0),
         "bytes_from_peers": swarm.get("bytes_from_peers", 0),
-        "bytes_from_region": (sources.get("region") or {}).get("bytes", 0),
-        "bytes_from_origin": (sources.get("origin") or {}).get("bytes", 0),
+        "bytes_from_region": _bytes(sources, "region") + _bytes(own, "region") + _bytes(manifests, "region"),
+        "bytes_from_origin": _bytes(sources, "origin") + _bytes(own, "origin") + _bytes(manifests, "origin"),
+        "manifest_bytes": _bytes(manifests, "region") + _bytes(manifests, "origin"),
+        "unpack_bytes": blobs.get("whole_bytes", 0),
         "bytes_to_peers": swarm.get("bytes_to_peers", 0),
         "swarm": "swarm" in sources,
         "peers_connected": swarm.get("peers_connected", 0),
@@ -113,6 +130,11 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_toc_bytes_total", counter,
          "Compressed bytes of the layer TOCs read through the fetch chain (counted by source above too).",
          f.get("toc_bytes")),
+        ("shoal_node_manifest_bytes_total", counter,
+         "Manifest bytes the node fetched itself (counted by source above too).", f.get("manifest_bytes")),
+        ("shoal_node_unpack_bytes_total", counter,
+         "Compressed bytes of layers the node downloaded to unpack (counted by source above too).",
+         f.get("unpack_bytes")),
         ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
         ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
         ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),

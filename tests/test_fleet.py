@@ -120,3 +120,55 @@ def test_four_nodes_start_one_image_behind_a_cold_region_at_one_origin_copy(tmp_
                 assert not node.unmount()
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_nodes_unpacking_one_gzip_image_take_it_through_the_region_at_one_origin_copy(tmp_path):
+    """A layer without a TOC is downloaded whole and unpacked by each node: the download
+    goes through the node's fetch chain (the region, then the origin), as does the
+    manifest the node reads at the first prepare, so N nodes cost the origin one copy;
+    `shoal status` counts the bytes (unpack_bytes, manifest_bytes) by source."""
+    from tests import services
+    from tests.lab.fromdir import build_image
+    from tests.torchimage import push
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    files = {}
+    for i in range(3):
+        data = random.Random(1300 + i).randbytes(3 * MiB)
+        (tree / f"f{i}").write_bytes(data)
+        files[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    layout = tmp_path / "gz"
+    build_image([str(tree)], f"oci:{layout}:v1", compression="gzip", workdir=str(tmp_path))
+    (tmp_path / "staging").mkdir()
+    staging = services.start_registry(tmp_path / "staging", None)  # on the host: pushes go there first
+    try:
+        push(layout, "v1", staging.host, repo="fleet/gz")
+    finally:
+        staging.stop()
+    short = Path(tempfile.mkdtemp(prefix="shfl-", dir="/tmp"))
+    try:
+        with netlab.Lab() as lab:
+            registry = netlab.start_registry(lab, tmp_path / "origin", host=lab.add_node(), storage=staging.storage)
+            region = netlab.start_region(lab, tmp_path, registry)
+            image = netlab.layout_image(layout, f"{registry.host}/fleet/gz:v1")
+            [layer] = image.layers
+            nodes = netlab.start_nodes(lab, [lab.add_node() for _ in range(2)], short, region, registry)
+            assert netlab.parallel(lambda node: node.provide(lab, image), nodes) == [[], []]  # unpacked, not lazy
+            _fill_done(lab, region)
+            _, origin = registry.bytes_written(layer["digest"])
+            assert origin == layer["size"], f"the origin sent {origin} bytes of a {layer['size']}-byte layer"
+            for node in nodes:
+                status = node.status()
+                [unpacked] = status["unpacked_layers"]
+                for name, sha in files.items():
+                    assert netlab.sha256_file(node.root / "unpacked" / unpacked.split(":", 1)[1] / name) == sha
+                fetch = status["fetch"]
+                assert fetch["unpack_bytes"] == layer["size"]
+                assert fetch["bytes_from_origin"] == 0, fetch
+                assert fetch["bytes_from_region"] >= layer["size"] + fetch["manifest_bytes"] > layer["size"]
+                assert status["node_fetch"]["manifests"]["region"]["requests"] >= 1
+            for node in nodes:
+                node.stop(lab)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

@@ -35,7 +35,6 @@ pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file syst
 from tests.conftest import TOKEN_ISSUER, TOKEN_SERVICE
 from tests.lab import netlab
 from tests.services import free_port, stop_process, wait_for
-from tests.test_p2p_swarm import _sha256_file
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +195,7 @@ def test_a_tenant_gets_only_the_repositories_the_origin_grants_it(lab_world, doc
 
     # the tenant reads A through its mount, from the peer
     [mount_a] = tenant.provide(lab, image_a)
-    assert {n: _sha256_file(mount_a / n) for n in files_a} == files_a
+    assert {n: netlab.sha256_file(mount_a / n) for n in files_a} == files_a
     f = tenant.status()["fetch"]
     assert f["bytes_from_peers"] >= 0.9 * layer_a["size"], f
 
@@ -258,7 +257,7 @@ def test_a_tenant_gets_only_the_repositories_the_origin_grants_it(lab_world, doc
     assert got["seeding"], got
     # the outsider's own node reads A (region and origin check its registry credentials), never from peers
     [mount_o] = outsider.provide(lab, image_a)
-    assert {n: _sha256_file(mount_o / n) for n in files_a} == files_a
+    assert {n: netlab.sha256_file(mount_o / n) for n in files_a} == files_a
     f = outsider.status()["fetch"]
     assert f["bytes_from_peers"] == 0 and f["bytes_from_region"] > 0, f
     swarm = region.status(lab)["swarm"]

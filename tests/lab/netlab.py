@@ -520,17 +520,23 @@ def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Pa
 def push_image(lab: Lab, registry: LabRegistry, layout: Path, name: str) -> LabImage:
     """Copy an OCI layout's image (converted already: its layers pass through) to the
     origin as REGISTRY/`name` with `shoal convert` (the region does not know it yet)."""
-    from builder.oci.refs import open_source
-
     ref = f"{registry.host}/{name}"
     summary = json.loads(_shoal(lab, ["convert", f"oci:{layout}", f"docker://{ref}", "--plain-http", "--json"]))
+    image = layout_image(layout, ref)
+    if summary["digest"] != image.manifest_digest:
+        raise RuntimeError(f"{ref}: pushed {summary['digest']}, the layout holds {image.manifest_digest}")
+    return image
+
+
+def layout_image(layout: Path, ref: str) -> LabImage:
+    """The LabImage `ref` of the image in an OCI layout (pushed there unchanged)."""
+    from builder.oci.refs import open_source
+
     with open_source(f"oci:{layout}") as src:
         root = src.get_root()
         doc = json.loads(root.data)
         with src.open_blob(doc["config"]["digest"], doc["config"]["size"]) as stream:
             diff_ids = json.loads(stream.read())["rootfs"]["diff_ids"]
-    if summary["digest"] != root.digest:
-        raise RuntimeError(f"{ref}: pushed {summary['digest']}, the layout holds {root.digest}")
     return LabImage(ref, root.digest, doc["layers"], diff_ids)
 
 
