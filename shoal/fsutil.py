@@ -50,16 +50,16 @@ def mounts() -> list[tuple[str, str]]:
     return out
 
 
-def replace_file(path: str | os.PathLike, data: bytes) -> None:
+def replace_file(path: str | os.PathLike, data: bytes, new_mode: int = 0o644) -> None:
     """Write `data` to `path` atomically (a temporary file beside it, fsynced, renamed over
     it, the directory fsynced): a reader sees the old bytes or the new, never a mix. An
-    existing file's mode and owner are kept; a new one gets 0644."""
+    existing file's mode and owner are kept; a new one gets `new_mode`."""
     path = os.fspath(path)
     try:
         st = os.stat(path)
         mode, owner = st.st_mode & 0o7777, (st.st_uid, st.st_gid)
     except FileNotFoundError:
-        mode, owner = 0o644, None
+        mode, owner = new_mode, None
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

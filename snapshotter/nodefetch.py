@@ -78,6 +78,7 @@ class NodeFetch:
             self.link = RegionLink.from_config(config)
         self.path = os.path.join(root, STATS_FILE)
         self._lock = threading.Lock()
+        self._save_lock = threading.Lock()  # one writer of the figures' file at a time
         self._local = threading.local()
         self.manifests: dict[str, dict[str, int]] = {}  # source -> {"bytes", "requests"}
         self.blobs = {"small": 0, "whole": 0, "whole_bytes": 0, "digest_mismatches": 0}
@@ -186,7 +187,8 @@ class NodeFetch:
     def save(self) -> None:
         """ROOT/node-fetch.json, replaced whole (a reader never sees half of it)."""
         try:
-            replace_file(self.path, json.dumps(self.statistics(), sort_keys=True).encode())
+            with self._save_lock:
+                replace_file(self.path, json.dumps(self.statistics(), sort_keys=True).encode(), 0o600)
         except OSError as e:
             log.warning("%s: %s", self.path, e)
 
