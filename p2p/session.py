@@ -67,6 +67,7 @@ _TICK = 0.25  # seconds between housekeeping passes of the owner thread
 _SETTLE_TICK = 0.02  # ... while a new torrent is meeting its peers
 _LONELY_FOR = 60.0  # a torrent this young with no peer asks the tracker again ...
 _LONELY_REANNOUNCE = 1.0  # ... this often
+MARKS = (".complete", ".partial")  # beside a blob's file: a BlobRef (JSON) of what it holds
 _CERT_RETRY = 10.0  # seconds before the region is asked again for a peer certificate it refused
 
 # libtorrent's set_ssl_certificate wants a DH parameters file (an empty name fails the
@@ -162,6 +163,7 @@ class Torrent:
     complete: bool = False  # all pieces present and the file verified
     verifying: bool = False
     hashing: bool = False
+    checking: bool = False  # libtorrent checks an earlier run's file (torrent_checked_alert ends it)
     failed: str = ""  # set when the blob did not hash to its digest: the torrent is gone
     waiters: dict = field(default_factory=dict)  # piece -> [Future of bytes] (on-demand reads)
     done: list = field(default_factory=list)  # Futures of download() (bulk)
@@ -234,7 +236,7 @@ class Session:
             "bytes_from_fallback", "pieces_from_fallback", "read_pieces_local", "read_pieces_peers",
             "read_pieces_fallback", "peer_timeouts", "fallback_hash_mismatches", "hash_failures",
             "peers_banned", "tracker_replies", "tracker_errors", "torrents_added", "torrents_completed",
-            "torrents_evicted", "blobs_failed", "alerts_dropped"), 0)
+            "torrents_evicted", "blobs_failed", "alerts_dropped", "pieces_resumed"), 0)
         self._uploaded_gone = 0  # payload bytes uploaded by torrents since removed (owner thread)
         self._downloaded_gone = 0
         self.listen_port = 0
@@ -252,7 +254,7 @@ class Session:
         self._ready.wait(30)
         if self._start_error is not None:
             raise ShoalError(f"swarm: cannot start libtorrent: {self._start_error}")
-        self._restore_complete()
+        self._restore()
         return self
 
     def close(self) -> None:
@@ -325,26 +327,30 @@ class Session:
         return int(st.f_bavail * st.f_frsize * 0.25)
 
     def _clean_partial(self) -> None:
-        """Partial files of an earlier run are dropped (their pieces are unverified by
-        this run); complete ones (a `.complete` mark) are seeded again."""
+        """Files of an earlier run without a mark are dropped; complete ones (a
+        `.complete` mark) are seeded again, partial ones (a `.partial` mark: the blob it
+        holds pieces of) are added again, and libtorrent checks every piece of the file
+        against the torrent's SHA-1 before it counts (_restore)."""
         for name in os.listdir(self.data_dir):
-            if name.endswith(".complete"):
+            if name.endswith(MARKS):
                 continue
-            if not os.path.exists(os.path.join(self.data_dir, name + ".complete")):
+            if not any(os.path.exists(os.path.join(self.data_dir, name + m)) for m in MARKS):
                 os.unlink(os.path.join(self.data_dir, name))
 
-    def _restore_complete(self) -> None:
+    def _restore(self) -> None:
+        """At start: the torrents of an earlier run's files (see _clean_partial)."""
         for name in sorted(os.listdir(self.data_dir)):
-            if not name.endswith(".complete") or not name.startswith("sha256-"):
+            mark = next((m for m in MARKS if name.endswith(m)), None)
+            if mark is None or not name.startswith("sha256-"):
                 continue
-            digest = "sha256:" + name[len("sha256-"):-len(".complete")]
+            digest = "sha256:" + name[len("sha256-"):-len(mark)]
             blob_ref = _blob_from_mark(os.path.join(self.data_dir, name), digest)
             if blob_ref is None:
                 continue
             try:
                 self.ensure(blob_ref)
             except ShoalError as exc:
-                log.warning("%s: cannot seed again: %s", digest, exc)
+                log.warning("%s: cannot %s again: %s", digest, "seed" if mark == ".complete" else "resume", exc)
 
     # --- the owner thread -----------------------------------------------------------------
 
@@ -476,6 +482,20 @@ class Session:
             t.last_progress = time.monotonic()
             if t.have_count == t.meta.num_pieces and not t.complete and not t.verifying:
                 self._finish(t)
+        elif isinstance(a, lt.torrent_checked_alert):
+            t = self._torrent_of(a)
+            if t is not None and t.checking:  # an earlier run's file: the pieces that passed their SHA-1
+                t.checking = False
+                pieces = t.handle.status().pieces
+                for p, had in enumerate(pieces):
+                    if had and not t.have[p]:
+                        t.have[p] = 1
+                        t.have_count += 1
+                self.count(pieces_resumed=sum(map(bool, pieces)))
+                log.info("%s: %d of %d pieces kept from an earlier run", t.blob.digest, t.have_count,
+                         t.meta.num_pieces)
+                if t.have_count == t.meta.num_pieces and not t.complete and not t.verifying:
+                    self._finish(t)
         elif isinstance(a, lt.cache_flushed_alert):
             t = self._torrent_of(a)
             if t is not None and t.verifying and not t.hashing and not t.complete:
@@ -539,6 +559,9 @@ class Session:
             atp.piece_priorities = [0] * meta.num_pieces
         atp.flags = flags
         t.handle = self._ses.add_torrent(atp)
+        if not complete:  # what it holds survives a restart (_clean_partial), checked again then
+            t.checking = os.path.exists(path)
+            _write_mark(path + ".partial", blob)
         now = time.monotonic()
         if cert is not None:  # an SSL torrent: peers must show a certificate of the region's swarm CA
             t.handle.set_ssl_certificate(cert[0], self._peer_key, self._dh, "")
@@ -571,7 +594,7 @@ class Session:
             self._ses.remove_torrent(t.handle, lt.session.delete_files if delete else 0)
         except Exception as exc:  # noqa: BLE001 - a handle gone already
             log.debug("%s: removing the torrent: %s", t.blob.digest, exc)
-        for suffix in (".complete",):
+        for suffix in MARKS:
             try:
                 os.unlink(t.path + suffix)
             except FileNotFoundError:
@@ -634,6 +657,8 @@ class Session:
             return
         t.complete, t.mode = True, "complete"
         _write_mark(t.path + ".complete", t.blob)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(t.path + ".partial")
         self.count(torrents_completed=1)
         for fut in t.done:
             _settle(fut, t.path)

@@ -383,6 +383,34 @@ def test_download_completes_verifies_and_seeds(loopback_swarm):
     assert got == [data[10:20]]
 
 
+def test_pieces_a_node_had_survive_its_restart_checked_again(loopback_swarm, tmp_path):
+    """The swarm's bytes are the node's one copy of them (never also in the chunk store),
+    so they outlive a restart: the new session adds the blob's torrent again over the
+    earlier run's file, libtorrent checks each piece against its SHA-1, and the pieces
+    that pass are read locally; one spoiled between the runs is fetched again."""
+    blob, data = loopback_swarm.blob, loopback_swarm.data
+    a, region_a = loopback_swarm(1)
+    ranges = [(0, 100), (1 << 20, (3 << 20) + 7), (len(data) - 10, len(data))]
+    assert a.read(blob, ranges) == [data[x:y] for x, y in ranges]
+    assert region_a.bytes == 11 * (256 << 10)  # pieces 0, 4..12, 23
+    a.close()
+    piece = 256 << 10
+    with open(tmp_path / "n1" / "data" / f"sha256-{blob.digest[7:]}", "r+b") as fh:  # spoil piece 5
+        fh.seek(5 * piece + 1000)
+        fh.write(b"\xff" * 16)
+    again, region_again = loopback_swarm(1)
+    assert _wait(lambda: again.statistics()["pieces_resumed"] >= 10)
+    assert again.statistics()["pieces_resumed"] == 10 and again.has(blob) == "partial"
+    assert again.read(blob, ranges) == [data[x:y] for x, y in ranges]
+    assert region_again.bytes == piece  # piece 5 alone, fetched again
+    unseen = tmp_path / "n1" / "data" / ("sha256-" + "3" * 64)
+    unseen.write_bytes(b"no mark: not ours")
+    again.close()
+    third, _ = loopback_swarm(1)
+    assert not unseen.exists()  # a file without a mark is dropped at start
+    assert _wait(lambda: third.statistics()["pieces_resumed"] >= 11)
+
+
 def test_tracker_and_region_outages_never_fail_a_read(loopback_swarm):
     """Connected peers keep exchanging when the tracker is gone; a node that cannot
     reach the tracker reads from the region; a node with neither says NotHere."""
