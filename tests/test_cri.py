@@ -1,0 +1,160 @@
+"""The kubelet's path: containerd's CRI plugin driven through the CRI v1 API (tests/cri.py)
+as the kubelet drives it, on containerd configured by `shoal install containerd` as
+deploy/ does it (proxy plugin, snapshot labels, runtime handler `shoal`; on containerd
+1.6, which ignores a handler's snapshotter, shoal is also the default snapshotter:
+deploy/kubernetes/README.md). Pods run on the `shoal` runtime handler with the host
+network; their sandbox image is built here and served by the local registry.
+
+Real parts: Debian's docker-registry, containerd with its CRI plugin, runc, `shoal node`
+and its layer file system (FUSE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder.convert import convert
+from tests.fixtures_services import containerd_missing
+from tests.lab.fromdir import ImageConfig, build_image
+from tests.rootfs import busybox_layer
+from tests.services import SHOAL, mounts_under, shoal_node_with_containerd, wait_for
+
+pytestmark = [pytest.mark.registry, pytest.mark.containerd]
+
+CRI_NS = "k8s.io"  # containerd's namespace for the CRI plugin's images and containers
+HANDLER = "shoal"  # deploy/kubernetes/node/runtimeclass.yaml's handler
+MiB = 1 << 20
+# reads all of the small file and 64 KiB of the 8 MiB one
+READ = ["/bin/sh", "-c", "cat /etc/motd /app/hello.txt; head -c 65536 /app/weights.bin | md5sum"]
+
+
+def build_app(registry_host: str, repository: str, work: Path, seed: int, plain_http: bool = True) -> dict:
+    """A two-layer image (busybox; /app with a small text file and 8 MiB of random
+    weights) pushed gzip and converted to shoal's lazy format in `repository`; and a
+    sandbox (pause) image of the busybox layer that sleeps. {"lazy", "pause", "stdout"}:
+    the refs and what READ prints in a container of the lazy image."""
+    work.mkdir(parents=True, exist_ok=True)
+    base = busybox_layer(work / "base")
+    app = work / "app" / "app"
+    app.mkdir(parents=True)
+    hello = f"hello from {repository}\n"
+    (app / "hello.txt").write_text(hello)
+    weights = random.Random(seed).randbytes(8 * MiB)
+    (app / "weights.bin").write_bytes(weights)
+    ref = f"{registry_host}/{repository}"
+    build_image([str(base), str(work / "app")], f"docker://{ref}:gzip", ImageConfig(cmd=READ), plain_http=plain_http,
+                workdir=str(work))
+    convert(f"docker://{ref}:gzip", f"docker://{ref}:lazy", plain_http=plain_http)
+    build_image([str(base)], f"docker://{ref}:pause", ImageConfig(cmd=["/bin/sleep", "3600"]), plain_http=plain_http,
+                workdir=str(work))
+    motd = (work / "base" / "etc" / "motd").read_text()
+    return {"lazy": f"{ref}:lazy", "pause": f"{ref}:pause",
+            "stdout": f"{motd}{hello}{hashlib.md5(weights[:65536]).hexdigest()}  -\n"}
+
+
+@pytest.fixture(scope="module")
+def app(module_registry, tmp_path_factory):
+    return build_app(module_registry.host, "kube/app", tmp_path_factory.mktemp("cri app"), seed=14)
+
+
+@contextlib.contextmanager
+def cri_node(registries: list[str], sandbox_image: str, node_config: str = "", image_socket: str = ""):
+    """`shoal node`, and containerd with its CRI plugin set up by `shoal install
+    containerd`; yields (node, containerd, a CRI client: its ImageService on
+    `image_socket` (a path under @DIR@) when given, containerd's own socket else). Pods,
+    containers, containerd and the node are stopped and removed also on failure."""
+    from tests.cri import CRIClient
+
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    with shoal_node_with_containerd("shoal-cri-", node_config, registries, sandbox_image=sandbox_image,
+                                    install=True) as (node, ctd):
+        image_address = image_socket.replace("@DIR@", str(node.root.parent)) if image_socket else ""
+        cri = CRIClient(ctd.address, image_address=image_address)
+        try:
+            yield node, ctd, cri
+        finally:
+            cri.close()
+
+
+def status(node) -> dict:
+    proc = subprocess.run([SHOAL, "status", "--root", str(node.root), "--json"], check=True, capture_output=True,
+                          text=True, timeout=60)
+    return json.loads(proc.stdout)
+
+
+def snapshots(ctd) -> list[tuple[str, str]]:
+    """containerd's view of shoal's snapshots in the CRI namespace: [(key, kind)]."""
+    out = ctd.ctr("snapshots", "--snapshotter", "shoal", "ls", namespace=CRI_NS).stdout.splitlines()[1:]
+    return [(cols[0], cols[-1]) for cols in map(str.split, out) if cols]
+
+
+def manifest(image: str) -> dict:
+    from builder.oci.refs import open_source
+
+    with open_source(f"docker://{image}", plain_http=True) as src:
+        return json.loads(src.get_root().data)
+
+
+def test_two_pods_through_cri_start_lazily_and_leave_nothing(module_registry, app, tmp_path):
+    """PullImage of a converted image leaves its layers lazy (a few bytes fetched: the
+    TOCs); a pod on the `shoal` handler runs it and its CRI log holds what it printed;
+    a second pod of the same image fetches nothing more (the node's figures and the
+    registry's log); stopping and removing the pods leaves no container snapshot and no
+    mount of theirs, and RemoveImage (what the kubelet's image GC does) leaves no shoal
+    snapshot at all."""
+    reg = module_registry
+    with cri_node([reg.host], app["pause"]) as (node, ctd, cri):
+        assert cri.version()
+        layers = manifest(app["lazy"])
+        size = sum(ly["size"] for ly in layers["layers"])
+        before = reg.layer_bytes(layers)
+        image_id = cri.pull_image(app["lazy"])
+        assert image_id.startswith("sha256:")
+        s = status(node)
+        lazy = {ly["digest"]: ly for ly in s["lazy_layers"]}
+        pulled = [c for c in s["chains"] if c["image"] == app["lazy"]]
+        assert len(pulled) == 2 and {c["kind"] for c in pulled} == {"lazy"}, s["chains"]
+        assert {c["layer"] for c in pulled} <= set(lazy), (pulled, lazy)
+        fetched_at_pull = reg.layer_bytes(layers) - before
+        assert 0 < fetched_at_pull < size / 4, (fetched_at_pull, size)  # the TOCs, not the layers
+        assert s["fetch"]["bytes_from_origin"] == fetched_at_pull == s["fetch"]["toc_bytes"], s["fetch"]
+
+        # pod 1: its log is what the container printed
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        out = cri.run(app["lazy"], READ, str(logs / "pod-1"), "pod-1", runtime_handler=HANDLER)
+        assert out == app["stdout"], (out, ctd.log_tail(), node.log())
+        s1 = status(node)
+        read_from_origin = s1["fetch"]["bytes_from_origin"]
+        assert fetched_at_pull < read_from_origin < size / 2, s1["fetch"]  # what it read, not the weights
+        served = reg.layer_bytes(layers)
+
+        # pod 2 of the same image: nothing more from the registry
+        assert cri.run(app["lazy"], READ, str(logs / "pod-2"), "pod-2", runtime_handler=HANDLER) == app["stdout"]
+        s2 = status(node)
+        assert s2["fetch"]["bytes_from_origin"] == read_from_origin, s2["fetch"]
+        assert reg.layer_bytes(layers) == served
+
+        # the pods are gone, and so are their containers' snapshots and mounts
+        assert cri.pods() == [] and cri.containers() == []
+        assert {kind for _, kind in snapshots(ctd)} == {"Committed"}, snapshots(ctd)
+        fs_mount = s2["fs_server"]["mount"]
+        assert mounts_under(node.root.parent) == [fs_mount], mounts_under(node.root.parent)
+
+        # RemoveImage of both images: no shoal snapshot is left, the lazy layers unload
+        for image in (app["lazy"], app["pause"]):
+            cri.remove_image(image)
+        assert cri.list_images() == []
+        wait_for(lambda: snapshots(ctd) == [], "containerd to remove shoal's snapshots", timeout=60)
+        wait_for(lambda: status(node)["lazy_layers"] == [], "the lazy layers to unload", timeout=60)
+        assert status(node)["chains"] == []
+        assert mounts_under(node.root.parent) in ([fs_mount], [])
