@@ -158,3 +158,111 @@ def test_two_pods_through_cri_start_lazily_and_leave_nothing(module_registry, ap
         wait_for(lambda: status(node)["lazy_layers"] == [], "the lazy layers to unload", timeout=60)
         assert status(node)["chains"] == []
         assert mounts_under(node.root.parent) in ([fs_mount], [])
+
+
+# --- private registries: PullImage's AuthConfig through shoal's CRI image service -------------------
+
+CRI_SOCKET = "@DIR@/cri-image.sock"  # the kubelet's --image-service-endpoint
+CRI_CONFIG = f'[cri]\nimage_service_socket = "{CRI_SOCKET}"\n'
+
+
+def files_holding(secrets: list[bytes], *folders: Path) -> list[str]:
+    """Files under `folders` (not crossing into mounts) whose bytes hold any of `secrets`."""
+    import os
+
+    found = []
+    for folder in folders:
+        for top, dirs, names in os.walk(folder):
+            dirs[:] = [d for d in dirs if not os.path.ismount(os.path.join(top, d))]
+            for name in names:
+                path = os.path.join(top, name)
+                try:
+                    if not os.path.isfile(path) or os.path.islink(path):
+                        continue
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except OSError:
+                    continue
+                if any(s in data for s in secrets):
+                    found.append(path)
+    return found
+
+
+def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
+        basic_registry, module_registry, app, docker_config, monkeypatch, tmp_path):
+    """A private image (htpasswd registry), with the node given no credential file: its
+    PullImage through shoal's CRI image service without AuthConfig fails with one line;
+    with the user and password in AuthConfig the pull leaves the layers lazy and a pod
+    reads them from the origin with those credentials. The credentials serve that
+    repository only (another repository of the same registry is refused to the node's
+    own reads), are in no file, log or process environment, the socket is root's alone,
+    and RemoveImage of the repository's last image forgets them."""
+    import base64
+    import os
+
+    from tests.cri import CRIError
+
+    reg = basic_registry
+    docker_config.login(reg.host, reg.username, reg.password)  # the CI step's push, not the node's
+    private = build_app(reg.host, "private/app", tmp_path / "app", seed=21)
+    other = build_app(reg.host, "private/other", tmp_path / "other", seed=22)
+    empty = tmp_path / "node docker config"
+    empty.mkdir()
+    monkeypatch.setenv("DOCKER_CONFIG", str(empty))  # the node and its layer fs: no credential file
+    secrets = [reg.password.encode(), base64.b64encode(f"{reg.username}:{reg.password}".encode())]
+    auth = {"username": reg.username, "password": reg.password}
+
+    with cri_node([reg.host, module_registry.host], app["pause"], CRI_CONFIG, CRI_SOCKET) as (node, ctd, cri):
+        sock = Path(CRI_SOCKET.replace("@DIR@", str(node.root.parent)))
+        st = sock.stat()
+        assert oct(st.st_mode & 0o777) == "0o600" and st.st_uid == 0
+        assert cri.list_images() == []  # the proxy answers as containerd
+
+        # no AuthConfig: refused, one line, nothing kept
+        with pytest.raises(CRIError) as refused:
+            cri.pull_image(private["lazy"])
+        assert "401 Unauthorized" in refused.value.details or "unauthorized" in refused.value.details.lower()
+        assert "\n" not in str(refused.value)
+        assert status(node).get("credentials", []) == [] and cri.list_images() == []
+
+        # the user and password in AuthConfig: a lazy pull, a pod that reads from the origin
+        cri.pull_image(private["lazy"], auth=auth)
+        s = status(node)
+        assert [(c["registry"], c["repository"]) for c in s["credentials"]] == [(reg.host, "private/app")]
+        assert {c["kind"] for c in s["chains"] if c["image"] == private["lazy"]} == {"lazy"}, s["chains"]
+        toc = s["fetch"]["bytes_from_origin"]
+        out = cri.run(private["lazy"], READ, str(tmp_path / "logs"), "private-pod", runtime_handler=HANDLER)
+        assert out == private["stdout"], (out, node.log())
+        assert status(node)["fetch"]["bytes_from_origin"] > toc  # lazy reads, with the captured credentials
+
+        # another repository of the same registry gets none of them: containerd's pull is
+        # refused, and so is the node's own read of its layers (a pull whose manifest the
+        # client fetched with a credential file of its own: the layer's TOC read is the node's)
+        with pytest.raises(CRIError):
+            cri.pull_image(other["lazy"])
+        own = tmp_path / "client docker config"
+        own.mkdir()
+        (own / "config.json").write_text((docker_config.path / "config.json").read_text())
+        proc = subprocess.run([SHOAL, "pull", other["lazy"], "--address", ctd.address, "--namespace", "shoal-test"],
+                              check=False, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "DOCKER_CONFIG": str(own)})
+        assert proc.returncode != 0 and "401" in proc.stderr, (proc.stdout, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        # ... while its own credentials (as `auth`, base64 of user:password) do serve it
+        cri.pull_image(other["lazy"], auth={"auth": base64.b64encode(f"{reg.username}:{reg.password}".encode()).decode()})
+        assert cri.run(other["lazy"], READ, str(tmp_path / "logs"), "other-pod", runtime_handler=HANDLER) \
+            == other["stdout"]
+        assert {c["repository"] for c in status(node)["credentials"]} == {"private/app", "private/other"}
+
+        # nowhere on disk, in no log, in no process's environment or command line
+        pids = [node.proc.pid, status(node)["fs_server"]["pid"], ctd.pid]
+        for pid in pids:
+            for what in ("environ", "cmdline"):
+                data = Path(f"/proc/{pid}/{what}").read_bytes()
+                assert not any(sec in data for sec in secrets), (pid, what)
+        assert files_holding(secrets, node.root.parent) == []
+        # (the registry's own files hold only its htpasswd hash; the test's docker configs are the CI's)
+
+        # RemoveImage of a repository's last image forgets its credentials
+        cri.remove_image(private["lazy"])
+        assert [c["repository"] for c in status(node)["credentials"]] == ["private/other"]
