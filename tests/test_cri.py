@@ -26,8 +26,6 @@ from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
 from tests.services import SHOAL, mounts_under, shoal_node_with_containerd, wait_for
 
-pytestmark = [pytest.mark.registry, pytest.mark.containerd]
-
 CRI_NS = "k8s.io"  # containerd's namespace for the CRI plugin's images and containers
 HANDLER = "shoal"  # deploy/kubernetes/node/runtimeclass.yaml's handler
 MiB = 1 << 20
@@ -104,6 +102,7 @@ def manifest(image: str) -> dict:
         return json.loads(src.get_root().data)
 
 
+@pytest.mark.containerd
 def test_two_pods_through_cri_start_lazily_and_leave_nothing(module_registry, app, tmp_path):
     """PullImage of a converted image leaves its layers lazy (a few bytes fetched: the
     TOCs); a pod on the `shoal` handler runs it and its CRI log holds what it printed;
@@ -188,6 +187,7 @@ def files_holding(secrets: list[bytes], *folders: Path) -> list[str]:
     return found
 
 
+@pytest.mark.containerd
 def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         basic_registry, module_registry, app, docker_config, monkeypatch, tmp_path):
     """A private image (htpasswd registry), with the node given no credential file: its
@@ -217,6 +217,12 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         st = sock.stat()
         assert oct(st.st_mode & 0o777) == "0o600" and st.st_uid == 0
         assert cri.list_images() == []  # the proxy answers as containerd
+        proc = subprocess.run([SHOAL, "doctor", "--root", str(node.root), "--socket", str(node.socket), "--config",
+                               str(node.root.parent / "node.toml"), "--containerd-config", str(ctd.config_path),
+                               "--containerd-address", ctd.address, "--json"],
+                              check=False, capture_output=True, text=True, timeout=120)
+        checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+        assert checks["credentials"]["status"] == "ok" and str(sock) in checks["credentials"]["detail"], checks
 
         # no AuthConfig: refused, one line, nothing kept
         with pytest.raises(CRIError) as refused:
@@ -266,3 +272,72 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         # RemoveImage of a repository's last image forgets its credentials
         cri.remove_image(private["lazy"])
         assert [c["repository"] for c in status(node)["credentials"]] == ["private/other"]
+
+
+# --- what the proxy reads of the CRI messages (no services) ----------------------------------------
+
+
+def _pull_request(image: str, **auth) -> bytes:
+    from tests.cri import api_pb2
+
+    request = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image, annotations={"a": "b"}),
+                                       sandbox_config=api_pb2.PodSandboxConfig(hostname="h"))
+    if auth:
+        request.auth.CopyFrom(api_pb2.AuthConfig(**auth))
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize(("auth", "expected"), [
+    ({}, None),
+    ({"username": "u", "password": "p ä:ss"}, ("u", "p ä:ss")),
+    ({"auth": "dTpwIMOkOnNz"}, ("u", "p ä:ss")),  # base64 of "u:p ä:ss"
+    ({"auth": "not base64!"}, None),
+    ({"auth": "bm9jb2xvbg=="}, None),  # "nocolon"
+    ({"username": "u", "password": "p", "server_address": "https://reg.example:5000/v1/"}, ("u", "p")),
+    ({"username": "u", "password": "p", "server_address": "reg.example:5000"}, ("u", "p")),
+    ({"username": "u", "password": "p", "server_address": "https://other.example"}, None),  # another host's
+    ({"identity_token": "t"}, None),
+    ({"registry_token": "t"}, None),
+])
+def test_pull_credentials_as_containerd_reads_them(auth, expected):
+    from snapshotter.criproxy import credentials_of, parse_pull
+
+    pull = parse_pull(_pull_request("reg.example:5000/team/app:v1", **auth))
+    assert pull.image == "reg.example:5000/team/app:v1"
+    assert pull.tokens == bool(auth.get("identity_token") or auth.get("registry_token"))
+    creds = credentials_of(pull, "reg.example:5000")
+    assert (None if creds is None else (creds.username, creds.password)) == expected
+    assert "p ä:ss" not in repr(pull) and "p ä:ss" not in repr(creds)
+
+
+def test_image_names_of_status_and_list_replies():
+    from snapshotter.criproxy import image_names
+    from tests.cri import api_pb2
+
+    one = api_pb2.Image(id="sha256:1", repo_tags=["r/a:v1", "r/a:v2"], repo_digests=["r/a@sha256:9"], size=3)
+    two = api_pb2.Image(id="sha256:2", repo_tags=["r/b:v1"])
+    assert image_names(api_pb2.ImageStatusResponse(image=one, info={"k": "v"}).SerializeToString()) == [
+        "r/a:v1", "r/a:v2", "r/a@sha256:9"]
+    assert image_names(api_pb2.ListImagesResponse(images=[one, two]).SerializeToString()) == [
+        "r/a:v1", "r/a:v2", "r/a@sha256:9", "r/b:v1"]
+    assert image_names(b"") == []
+
+
+def test_the_message_reader_accepts_or_refuses_any_bytes():
+    """h11's rule: accepted, or ValueError (the proxy then forwards the request unread)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from snapshotter.criproxy import fields, image_names, parse_pull
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.binary(max_size=200) | st.builds(lambda b, i: _pull_request("h/r:t", username="u")[:i] + b,
+                                                st.binary(max_size=20), st.integers(0, 40)))
+    def check(data: bytes) -> None:
+        for parse in (fields, parse_pull, image_names):
+            try:
+                parse(data)
+            except ValueError:
+                pass
+
+    check()
