@@ -230,6 +230,10 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         assert "401 Unauthorized" in refused.value.details or "unauthorized" in refused.value.details.lower()
         assert "\n" not in str(refused.value)
         assert status(node).get("credentials", []) == [] and cri.list_images() == []
+        # a wrong password: refused, and the node keeps nothing of it
+        with pytest.raises(CRIError):
+            cri.pull_image(private["lazy"], auth={"username": reg.username, "password": "wrong"})
+        assert status(node)["credentials"] == []
 
         # the user and password in AuthConfig: a lazy pull, a pod that reads from the origin
         cri.pull_image(private["lazy"], auth=auth)
