@@ -24,13 +24,14 @@ from builder.convert import convert
 from tests.fixtures_services import containerd_missing
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
-from tests.services import SHOAL, mounts_under, shoal_node_with_containerd, wait_for
+from tests.services import SHOAL, NodeProcess, mounts_under, shoal_node_with_containerd, wait_for
 
 CRI_NS = "k8s.io"  # containerd's namespace for the CRI plugin's images and containers
 HANDLER = "shoal"  # deploy/kubernetes/node/runtimeclass.yaml's handler
 MiB = 1 << 20
 # reads all of the small file and 64 KiB of the 8 MiB one
 READ = ["/bin/sh", "-c", "cat /etc/motd /app/hello.txt; head -c 65536 /app/weights.bin | md5sum"]
+TAIL = ["/bin/sh", "-c", "tail -c 65536 /app/weights.bin | md5sum"]  # another part of the weights
 
 
 def build_app(registry_host: str, repository: str, work: Path, seed: int, plain_http: bool = True) -> dict:
@@ -54,7 +55,8 @@ def build_app(registry_host: str, repository: str, work: Path, seed: int, plain_
                 workdir=str(work))
     motd = (work / "base" / "etc" / "motd").read_text()
     return {"lazy": f"{ref}:lazy", "pause": f"{ref}:pause",
-            "stdout": f"{motd}{hello}{hashlib.md5(weights[:65536]).hexdigest()}  -\n"}
+            "stdout": f"{motd}{hello}{hashlib.md5(weights[:65536]).hexdigest()}  -\n",
+            "tail": f"{hashlib.md5(weights[-65536:]).hexdigest()}  -\n"}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +197,9 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
     with the user and password in AuthConfig the pull leaves the layers lazy and a pod
     reads them from the origin with those credentials. The credentials serve that
     repository only (another repository of the same registry is refused to the node's
-    own reads), are in no file, log or process environment, the socket is root's alone,
-    and RemoveImage of the repository's last image forgets them."""
+    own reads), are in no file, log or process environment, the socket is root's alone;
+    they outlive a restart of `shoal node`, and RemoveImage of the repository's last
+    image forgets them."""
     import base64
     import os
 
@@ -273,9 +276,22 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         assert files_holding(secrets, node.root.parent) == []
         # (the registry's own files hold only its htpasswd hash; the test's docker configs are the CI's)
 
-        # RemoveImage of a repository's last image forgets its credentials
-        cri.remove_image(private["lazy"])
-        assert [c["repository"] for c in status(node)["credentials"]] == ["private/other"]
+        # a restart of `shoal node` keeps them (the layer file system holds them): a new
+        # pod reads another part of the weights from the origin
+        node.stop()
+        again = NodeProcess(node.root, node.socket, node.log_path, ("--config", str(node.root.parent / "node.toml")))
+        try:
+            assert {c["repository"] for c in status(again)["credentials"]} == {"private/app", "private/other"}
+            before = status(again)["fetch"]["bytes_from_origin"]
+            assert cri.run(private["lazy"], TAIL, str(tmp_path / "logs"), "after-restart", runtime_handler=HANDLER) \
+                == private["tail"]
+            assert status(again)["fetch"]["bytes_from_origin"] > before
+
+            # RemoveImage of a repository's last image forgets its credentials
+            cri.remove_image(private["lazy"])
+            assert [c["repository"] for c in status(again)["credentials"]] == ["private/other"]
+        finally:
+            again.stop()
 
 
 # --- what the proxy reads of the CRI messages (no services) ----------------------------------------
