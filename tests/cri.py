@@ -7,6 +7,7 @@ selects it): import snapshotter.wire before this module's stubs load.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -144,3 +145,31 @@ def read_cri_log(path: str) -> str:
             if len(parts) == 4 and parts[1] == "stdout":
                 out.append(parts[3] + ("\n" if parts[2] == "F" else ""))
     return "".join(out)
+
+
+@contextlib.contextmanager
+def cri_node(registries: list[str], sandbox_image: str, node_config: str = "", image_socket: str = "",
+             prefix: str = "shoal-cri-", install: bool = True):
+    """`shoal node`, and containerd with its CRI plugin pulling from the loopback
+    `registries`, sandboxes from `sandbox_image`, set up by `shoal install containerd` as
+    deploy/ does (`install`; else tests.services.cri_config's own settings); yields (node,
+    containerd, a CRIClient whose ImageService is on `image_socket` (`@DIR@` stands for
+    the private directory, as in `node_config`) when given, containerd's socket else).
+    Skips the test where containerd cannot run. Pods, containers, containerd and the
+    node are stopped and removed also on failure."""
+    import pytest
+
+    from tests.fixtures_services import containerd_missing
+    from tests.services import shoal_node_with_containerd
+
+    reason = containerd_missing()
+    if reason:
+        pytest.skip(reason)
+    with shoal_node_with_containerd(prefix, node_config, registries, sandbox_image=sandbox_image,
+                                    install=install) as (node, ctd):
+        image_address = image_socket.replace("@DIR@", str(node.root.parent)) if image_socket else ""
+        cri = CRIClient(ctd.address, image_address=image_address)
+        try:
+            yield node, ctd, cri
+        finally:
+            cri.close()

@@ -11,7 +11,6 @@ and its layer file system (FUSE).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import random
@@ -21,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from builder.convert import convert
-from tests.fixtures_services import containerd_missing
+from tests.cri import cri_node
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer
-from tests.services import SHOAL, NodeProcess, mounts_under, shoal_node_with_containerd, wait_for
+from tests.services import SHOAL, NodeProcess, mounts_under, wait_for
 
 CRI_NS = "k8s.io"  # containerd's namespace for the CRI plugin's images and containers
 HANDLER = "shoal"  # deploy/kubernetes/node/runtimeclass.yaml's handler
@@ -62,27 +61,6 @@ def build_app(registry_host: str, repository: str, work: Path, seed: int, plain_
 @pytest.fixture(scope="module")
 def app(module_registry, tmp_path_factory):
     return build_app(module_registry.host, "kube/app", tmp_path_factory.mktemp("cri app"), seed=14)
-
-
-@contextlib.contextmanager
-def cri_node(registries: list[str], sandbox_image: str, node_config: str = "", image_socket: str = ""):
-    """`shoal node`, and containerd with its CRI plugin set up by `shoal install
-    containerd`; yields (node, containerd, a CRI client: its ImageService on
-    `image_socket` (a path under @DIR@) when given, containerd's own socket else). Pods,
-    containers, containerd and the node are stopped and removed also on failure."""
-    from tests.cri import CRIClient
-
-    reason = containerd_missing()
-    if reason:
-        pytest.skip(reason)
-    with shoal_node_with_containerd("shoal-cri-", node_config, registries, sandbox_image=sandbox_image,
-                                    install=True) as (node, ctd):
-        image_address = image_socket.replace("@DIR@", str(node.root.parent)) if image_socket else ""
-        cri = CRIClient(ctd.address, image_address=image_address)
-        try:
-            yield node, ctd, cri
-        finally:
-            cri.close()
 
 
 def status(node) -> dict:
