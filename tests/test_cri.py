@@ -220,6 +220,10 @@ def test_a_private_image_through_cri_with_credentials_only_in_authconfig(
         cri.pull_image(private["lazy"], auth=auth)
         s = status(node)
         assert [(c["registry"], c["repository"]) for c in s["credentials"]] == [(reg.host, "private/app")]
+        text = subprocess.run([SHOAL, "status", "--root", str(node.root)], check=True, capture_output=True, text=True,
+                              timeout=60).stdout
+        assert f"pull credentials from CRI: 1 repositories\n    {reg.host}/private/app  expires in" in text, text
+        assert reg.password not in text
         assert {c["kind"] for c in s["chains"] if c["image"] == private["lazy"]} == {"lazy"}, s["chains"]
         toc = s["fetch"]["bytes_from_origin"]
         out = cri.run(private["lazy"], READ, str(tmp_path / "logs"), "private-pod", runtime_handler=HANDLER)
