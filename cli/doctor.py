@@ -206,8 +206,18 @@ def check_region(node_config: str | None) -> Check:
     return Check("region", OK, f"{url} answers")
 
 
-def check_credentials() -> Check:
+def check_credentials(node_config: str | None = None) -> Check:
     from builder.oci.auth import auth_files
+
+    cri = _cri_socket(node_config)
+    if cri:
+        from snapshotter.grpc_server import socket_answers
+
+        if not socket_answers(cri, timeout=5):
+            return Check("credentials", FAIL, f"the CRI image service ([cri] image_service_socket) {cri} does not "
+                         "answer: the kubelet's image calls fail", "systemctl restart shoal-node (journalctl -u shoal-node)")
+        return Check("credentials", OK, f"pods' pull credentials reach lazy reads through the CRI image service {cri} "
+                     "(the kubelet's --image-service-endpoint)")
 
     for path in auth_files():
         try:
@@ -226,6 +236,15 @@ def check_credentials() -> Check:
                  "docker login as root, or set REGISTRY_AUTH_FILE in the node's environment")
 
 
+def _cri_socket(node_config: str | None) -> str:
+    from snapshotter.node import load_config
+
+    try:
+        return load_config(node_config).cri.image_service_socket
+    except ShoalError:
+        return ""  # (check_region says what is wrong with the file)
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     checks = check_fuse()
     checks.append(check_kernel())
@@ -236,7 +255,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks.append(check_socket(args.socket))
     checks.append(check_root(args.root))
     checks.append(check_region(args.config))
-    checks.append(check_credentials())
+    checks.append(check_credentials(args.config))
     return checks
 
 
@@ -275,7 +294,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR", help=f"shoal node's root (default {DEFAULT_ROOT})")
     p.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
                    help=f"shoal node's snapshotter socket (default {DEFAULT_SOCKET})")
-    p.add_argument("--config", metavar="FILE", help="shoal node's configuration file (for the region)")
+    p.add_argument("--config", metavar="FILE", help="shoal node's configuration file (for the region and the CRI image service)")
     p.add_argument("--containerd-config", default=DEFAULT_CONFIG, metavar="FILE",
                    help=f"containerd's configuration (default {DEFAULT_CONFIG})")
     p.add_argument("--containerd-address", metavar="SOCK",

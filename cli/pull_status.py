@@ -69,6 +69,10 @@ def format_status(s: dict) -> str:
             f"  swarm: {f['peers_connected']} peers connected, {f['torrents']} blobs, {f['bytes_to_peers']:,} B to"
             f" peers, {f['hash_failures']} hash failures, {f['peers_banned']} peers banned"
         )
+    creds = s.get("credentials") or []
+    if creds:  # the CRI image service's (no secret)
+        lines.append(f"  pull credentials from CRI: {len(creds)} repositories")
+        lines += [f"    {c['registry']}/{c['repository']}  expires in {c['expires_in_s']:.0f}s" for c in creds]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -81,7 +82,9 @@ class Server:
                 except (OSError, ValueError, KeyError, StopIteration, TimeoutError) as exc:
                     out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 except Exception as exc:  # answered, and logged: a bug must not kill the socket
-                    log.exception("control: %s", line[:200])
+                    # (the op's name only: a request may carry a secret, never logged)
+                    op = re.search(rb'"op":\s*"(\w{1,40})"', line)
+                    log.exception("control: op %s failed unexpectedly", op.group(1).decode() if op else "?")
                     out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 fh.write(json.dumps(out).encode() + b"\n")
                 fh.flush()

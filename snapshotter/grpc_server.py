@@ -98,6 +98,25 @@ def remove_stale_socket(path: Path) -> None:
     log.info("removed stale socket %s", path)
 
 
+def listen_private(server: grpc.Server, path: Path) -> None:
+    """`server` to listen on the unix socket `path`, mode 0600 from its creation (its
+    clients, containerd and the kubelet, run as root); its directory is made 0700 if
+    missing, a stale socket is removed (remove_stale_socket). ShoalError if it cannot."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True)
+    remove_stale_socket(path)
+    old = os.umask(0o177)
+    try:
+        port = server.add_insecure_port(f"unix:{path}")
+    except RuntimeError as e:
+        raise ShoalError(f"cannot listen on {path}: {e}") from None
+    finally:
+        os.umask(old)
+    if port == 0:
+        raise ShoalError(f"cannot listen on {path}")
+    os.chmod(path, 0o600)
+
+
 class SnapshotsServer:
     """The gRPC server for one Snapshotter on one unix socket (mode 0600)."""
 
@@ -117,20 +136,8 @@ class SnapshotsServer:
         self._started = False
 
     def start(self) -> None:
-        if not self.socket_path.parent.exists():
-            self.socket_path.parent.mkdir(mode=0o700, parents=True)
-        remove_stale_socket(self.socket_path)
-        old = os.umask(0o177)  # the socket is created 0600: containerd runs as root
-        try:
-            port = self._server.add_insecure_port(f"unix:{self.socket_path}")
-        except RuntimeError as e:
-            raise ShoalError(f"cannot listen on {self.socket_path}: {e}") from None
-        finally:
-            os.umask(old)
-        if port == 0:
-            raise ShoalError(f"cannot listen on {self.socket_path}")
+        listen_private(self._server, self.socket_path)
         self._server.start()
-        os.chmod(self.socket_path, 0o600)
         self._started = True
         log.info("serving containerd snapshots API on %s", self.socket_path)
 

@@ -37,6 +37,7 @@ from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.snapshotter import RemoteLayers
 
 if TYPE_CHECKING:  # (imported when the node starts: gRPC is heavy)
+    from snapshotter.criproxy import ImageServiceProxy
     from snapshotter.grpc_server import SnapshotsServer
     from snapshotter.local import LocalSnapshotter
 
@@ -100,6 +101,26 @@ class ContainerdConfig:
     snapshotter: str = "shoal"  # this node's name in containerd's [proxy_plugins]
 
 
+def _socket_path_check(value: str) -> str | None:
+    if value and not os.path.isabs(value):
+        return "must be an absolute path (or empty: off)"
+    if len(os.fsencode(value)) > 107:
+        return "is longer than a unix socket path allows (107 bytes)"
+    return None
+
+
+@dataclass
+class CRIConfig:
+    """[cri]: the CRI image service the kubelet is pointed at (its --image-service-endpoint),
+    forwarded to containerd's; it keeps PullImage's credentials for the lazy reads of that
+    image's repository, in memory only (snapshotter/criproxy.py, docs/security.md)."""
+
+    # the unix socket to serve it on (e.g. "/run/shoal/cri-image.sock"); "" = off
+    image_service_socket: str = field(default="", metadata=limits(check=_socket_path_check))
+    # seconds a repository's credentials serve after the last PullImage that carried them
+    credential_ttl: float = field(default=86400.0, metadata=limits(min=60, max=30 * 86400))
+
+
 @dataclass
 class MetricsConfig:
     """[metrics]: Prometheus text at http://ADDRESS/metrics (bytes by source, swarm peers,
@@ -124,6 +145,7 @@ class NodeConfig:
     swarm: dict = field(default_factory=dict)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
+    cri: CRIConfig = field(default_factory=CRIConfig)
 
     def proofs(self):
         from snapshotter.chainproof import ProofConfig
@@ -161,6 +183,7 @@ class Node:
         self.snapshotter: LocalSnapshotter | None = None
         self._server: SnapshotsServer | None = None
         self._metrics = None
+        self._cri: ImageServiceProxy | None = None
         self._lock_fd: int | None = None
         self._ready = False
 
@@ -182,6 +205,9 @@ class Node:
                 self.remote.start()
             self._server = SnapshotsServer(self.snapshotter, self.socket, self.config.snapshotter.grpc_threads)
             self._server.start()
+            if self.config.cri.image_service_socket:
+                self._cri = self._cri_proxy()
+                self._cri.start()
             address = self.config.metrics.host_port()
             if address is not None:
                 self._metrics = _serve_metrics(address, str(self.root), str(self.socket))
@@ -209,6 +235,9 @@ class Node:
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
+        if self._cri is not None:
+            self._cri.stop(self.config.snapshotter.shutdown_grace)
+            self._cri = None
         if self._server is not None:
             self._server.stop(self.config.snapshotter.shutdown_grace)
             self._server = None
@@ -223,6 +252,23 @@ class Node:
         if self._ready:
             self._ready = False
             log.info("shoal node stopped")
+
+    def _cri_proxy(self) -> ImageServiceProxy:
+        """The CRI image service proxy, whose captured credentials go to this process's
+        registry clients and to the layer file system's fetch chain (which reads lazy
+        layers; it outlives this process, and keeps them across its restarts)."""
+        from builder.oci.auth import provide
+        from snapshotter.criproxy import ImageServiceProxy
+
+        remote = self.remote
+
+        def keychain(registry: str, repository: str, creds, ttl: float) -> None:
+            provide(registry, repository, creds, ttl)
+            if remote is not None:
+                remote.provide_credentials(registry, repository, creds, ttl)
+
+        return ImageServiceProxy(self.config.cri.image_service_socket, self.config.containerd.address, keychain,
+                                 self.config.cri.credential_ttl)
 
     def _lock_root(self) -> None:
         """One daemon per root: two would corrupt each other's directories."""

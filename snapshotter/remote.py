@@ -317,6 +317,10 @@ class RemoteLayers:
             self.fs.ensure_running()
             self.fs.mark_bad(os.path.basename(layer.path), reason)
 
+    def provide_credentials(self, registry: str, repository: str, creds, ttl: float) -> None:
+        self.fs.ensure_running()
+        self.fs.provide_credentials(registry, repository, creds, ttl)
+
     def _lock_for(self, digest: str) -> threading.Lock:
         with self._locks_lock:
             return self._locks.setdefault(digest, threading.Lock())

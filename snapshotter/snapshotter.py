@@ -58,9 +58,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    from builder.oci.auth import Credentials
 
 # Labels with a meaning in the protocol.
 LABEL_SNAPSHOT_REF = "containerd.io/snapshot.ref"  # the target chain id on Prepare
@@ -231,6 +234,13 @@ class RemoteLayers(Protocol):
 
     def mark_bad(self, layer: RemoteLayer, reason: str) -> None:
         """Every read of the lazy layer fails from now on (EIO, a log line with reason)."""
+        ...
+
+    def provide_credentials(self, registry: str, repository: str, creds: Credentials | None, ttl: float) -> None:
+        """The layers' reads of `repository` on `registry` (and of no other repository)
+        use `creds` for `ttl` seconds, in memory only; None forgets them. From the CRI
+        proxy's threads (snapshotter/criproxy.py). ShoalError or OSError if what serves
+        the layers cannot take them."""
         ...
 
     def stop_if_idle(self) -> None:

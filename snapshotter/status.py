@@ -22,6 +22,8 @@ def node_status(root: str) -> dict:
         status["lazy_layers"] = reply.get("layers", [])
         status["data_path"] = reply.get("store", {})
         status["prefetch"] = reply.get("prefetch", {})
+        # the repositories the fetch chain holds PullImage credentials for (no secret)
+        status["credentials"] = reply.get("credentials", [])
     status["chains"] = remote_chains(root)
     for ly in status["lazy_layers"]:
         ly["proof"] = layer_proof(ly, status["chains"])

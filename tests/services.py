@@ -331,7 +331,8 @@ def cri_config(snapshotter: str, registries: list[str], sandbox_image: str, cni_
     the loopback `registries`, restrict_oom_score_adj (root here lacks CAP_SYS_RESOURCE:
     see /work/shared/notes/libraries.md), its stream server on loopback, and empty CNI
     folders of its own (pods use the host network). Its state and root are containerd's,
-    inside the test's directories."""
+    inside the test's directories. `snapshotter` "": containerd's defaults (overlayfs, no
+    labels), what `shoal install containerd` then edits."""
     cri = '[plugins."io.containerd.grpc.v1.cri"]'
     lines = [
         cri,
@@ -341,8 +342,10 @@ def cri_config(snapshotter: str, registries: list[str], sandbox_image: str, cni_
         '  stream_server_port = "0"',
         "  enable_selinux = false",
         f"{cri[:-1]}.containerd]",
-        f"  snapshotter = {_q(snapshotter)}",
-        "  disable_snapshot_annotations = false",
+        *([f"  snapshotter = {_q(snapshotter)}", "  disable_snapshot_annotations = false"] if snapshotter else
+          ['  default_runtime_name = "runc"', f"{cri[:-1]}.containerd.runtimes.runc]",
+           '  runtime_type = "io.containerd.runc.v2"', f"{cri[:-1]}.containerd.runtimes.runc.options]",
+           "  SystemdCgroup = false"]),
         f"{cri[:-1]}.cni]",
         f"  bin_dir = {_q(cni_dir / 'bin')}",
         f"  conf_dir = {_q(cni_dir / 'conf')}",
@@ -352,12 +355,15 @@ def cri_config(snapshotter: str, registries: list[str], sandbox_image: str, cni_
     return "\n".join(lines) + "\n"
 
 
-def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | None = None) -> ContainerdServer:
+def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | None = None,
+                     edit_config=None) -> ContainerdServer:
     """Start /usr/bin/containerd with root, state and socket inside `workdir` (or, when
     that path is too long for a unix socket, a short private directory under /tmp).
     `extra_config` is appended to its TOML (e.g. a `[proxy_plugins.shoal]` table).
     `cri`: the CRI plugin's configuration (cri_config()); the plugin is disabled without
-    it. With it, the CRI v1 API is served on the same socket (tests/cri.py)."""
+    it. With it, the CRI v1 API is served on the same socket (tests/cri.py).
+    `edit_config(path)`: called on the written file before containerd starts (what an
+    installer does to a node's file)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     root, state = workdir / "root", workdir / "state"
@@ -372,6 +378,8 @@ def start_containerd(workdir: Path | str, extra_config: str = "", cri: str | Non
     config_path = workdir / "containerd.toml"
     config_path.write_text(containerd_config(str(root), str(state), address, extra_config + "\n" + (cri or ""),
                                              cri=cri is not None))
+    if edit_config is not None:
+        edit_config(config_path)
     created_run_dirs = missing_dirs(*_CONTAINERD_RUN_DIRS)
     log_path = workdir / "containerd.log"
     with open(log_path, "wb") as log:
@@ -450,16 +458,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", cri_registries: list[str] | None = None,
-                               sandbox_image: str = "", root_size: str = ""):
+                               sandbox_image: str = "", root_size: str = "", install: bool = False):
     """`shoal node` and Debian's containerd using it as its `shoal` proxy snapshotter
     (deploy/containerd/config.toml), in a short private directory (unix socket paths are
     short). Yields (node, containerd); stops both, the layer file system server and every
     mount under the directory, then removes it — also on failure.
 
-    The node's configuration is `node_config` (TOML) plus `[containerd] address` = this
-    containerd. `cri_registries`: enable containerd's CRI plugin (cri_config) with pods on
+    The node's configuration is `node_config` (TOML; `@DIR@` in it stands for the private
+    directory) plus `[containerd] address` = this containerd. `cri_registries`: enable containerd's CRI plugin (cri_config) with pods on
     shoal, pulling from these loopback registries, sandboxes from `sandbox_image`.
-    `root_size`: the node's root is a tmpfs of that size ("96m")."""
+    `root_size`: the node's root is a tmpfs of that size ("96m"). `install`: containerd's
+    file gets shoal as deploy/ puts it there, from `shoal install containerd` (proxy plugin,
+    snapshot labels, runtime handler `shoal`; on containerd 1.6, which ignores a handler's
+    snapshotter, also --default-snapshotter: deploy/kubernetes/README.md) instead of the
+    snippet and cri_config's own settings."""
     from snapshotter.fs.client import FSClient
 
     short = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
@@ -471,14 +483,26 @@ def shoal_node_with_containerd(prefix: str = "shoal-", node_config: str = "", cr
                             str(short / "root")], check=True, capture_output=True)
         ctd_dir = short / "ctd"
         config = short / "node.toml"
-        config.write_text(f"{node_config}\n[containerd]\naddress = {_q(ctd_dir / 'containerd.sock')}\n")
+        config.write_text(f"{node_config.replace('@DIR@', str(short))}\n[containerd]\naddress = {_q(ctd_dir / 'containerd.sock')}\n")
         node = NodeProcess(short / "root", short / "s.sock", short / "node.log", ("--config", str(config)))
         snippet = (REPO / "deploy/containerd/config.toml").read_text().replace(
             "/run/shoal/snapshotter.sock", str(short / "s.sock"))
         cri = None
         if cri_registries is not None:
-            cri = cri_config("shoal", cri_registries, sandbox_image, short / "cni")
-        ctd = start_containerd(ctd_dir, extra_config=snippet, cri=cri)
+            cri = cri_config("" if install else "shoal", cri_registries, sandbox_image, short / "cni")
+        edit = None
+        if install:
+            snippet = ""
+
+            def edit(path: Path) -> None:
+                from cli.install import containerd_minor
+
+                old = (containerd_minor(CONTAINERD_BIN) or (1, 6)) < (1, 7)
+                subprocess.run([SHOAL, "install", "containerd", "--config", str(path), "--socket", str(short / "s.sock"),
+                                "--restart-command", "", *(["--default-snapshotter"] if old else [])],
+                               check=True, capture_output=True, timeout=120)
+
+        ctd = start_containerd(ctd_dir, extra_config=snippet, cri=cri, edit_config=edit)
         assert ctd.address == str(ctd_dir / "containerd.sock"), ctd.address
         yield node, ctd
     finally:

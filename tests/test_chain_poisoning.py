@@ -15,7 +15,6 @@ The gzip cases need node-unpacked layers to check their diff_id (branch i10-unpa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import subprocess
@@ -117,30 +116,35 @@ def _chains(ref: str) -> list[str]:
         return chain_ids(json.loads(_config(s, doc))["rootfs"]["diff_ids"])
 
 
+class NodeFactory:
+    """`shoal node` with containerd (`factory(node_config)`), or with containerd's CRI
+    plugin as deploy/ sets it up and a CRI client on it (`factory.cri(node_config)`),
+    pods pulling from the test registry. Context managers; both clean up on failure."""
+
+    def __init__(self, registry_host: str) -> None:
+        self.registry_host = registry_host
+
+    def __call__(self, node_config: str = ""):
+        return shoal_node_with_containerd("shoal-poison-", node_config)
+
+    def cri(self, node_config: str = ""):
+        from tests.cri import cri_node
+
+        return cri_node([self.registry_host], f"{self.registry_host}/poison/app:pause", node_config,
+                        prefix="shoal-poison-")
+
+
 @pytest.fixture
 def node_factory(registry):
     reason = containerd_missing()
     if reason:
         pytest.skip(reason)
-
-    def start(node_config: str = "", cri: bool = False):
-        return shoal_node_with_containerd("shoal-poison-", node_config, [registry.host] if cri else None,
-                                          sandbox_image=f"{registry.host}/poison/app:pause")
-
-    return start
+    return NodeFactory(registry.host)
 
 
-@contextlib.contextmanager
-def cri_node(node_factory, node_config: str = ""):
+def cri_node(node_factory: NodeFactory, node_config: str = ""):
     """(node, containerd with its CRI plugin, a CRI client on it)."""
-    from tests.cri import CRIClient
-
-    with node_factory(node_config, cri=True) as (node, ctd):
-        cri = CRIClient(ctd.address)
-        try:
-            yield node, ctd, cri
-        finally:
-            cri.close()
+    return node_factory.cri(node_config)
 
 
 def shoal_pull(ref: str, ctd, namespace: str = "shoal-test") -> subprocess.CompletedProcess:

@@ -27,6 +27,9 @@ NODE_CASES = [
     ("[swarm]\nenabled = true\nstorage_capacity = -1\n", "swarm.storage_capacity = -1: must be at least 0"),
     ('[swarm]\nenabled = true\nconnections_limit = "500"\n', "swarm.connections_limit = '500': must be a whole"),
     ('[swarm]\nenabled = true\npeer_wait = "abc"\n', "swarm.peer_wait = 'abc': must be a number"),
+    ('[cri]\nimage_service_socket = "cri.sock"\n', "cri.image_service_socket = 'cri.sock': must be an absolute"),
+    (f'[cri]\nimage_service_socket = "/{"x" * 120}"\n', "longer than a unix socket path allows"),
+    ("[cri]\ncredential_ttl = 0\n", "cri.credential_ttl = 0.0: must be between 60"),
     ("[snapshotter\n", "not valid TOML"),
 ]
 

@@ -729,3 +729,87 @@ def test_gitlab_job_converts_verifies_and_pushes(basic_registry, docker_config, 
     assert json.loads((tmp_path / "shoal-convert.json").read_text())["digest"].startswith("sha256:")
     assert json.loads((home / ".docker" / "config.json").read_text())["auths"][basic_registry.host]
     _check_converted(target, docker_config)
+
+
+# --- the README's install sections, as a platform engineer reads them ----------------------------
+
+
+def readme_blocks(section: str) -> list[str]:
+    """The ```sh blocks of the README's `## SECTION`."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.*?)```", body, re.DOTALL)
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """Each command of a block (comments dropped, `&&` split, a heredoc's body skipped)."""
+    out, heredoc = [], None
+    for line in block.splitlines():
+        if heredoc is not None:
+            heredoc = None if line.strip() == heredoc else heredoc
+            continue
+        words = shlex.split(line, comments=True)
+        if m := re.search(r"<<'?(\w+)'?", line):
+            heredoc = m.group(1)
+        cmd: list[str] = []
+        for w in words + ["&&"]:
+            if w == "&&":
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    return out
+
+
+@pytest.mark.parametrize("section", ["Install with systemd", "Install on Kubernetes"])
+def test_readme_install_commands_exist_and_shoal_flags_parse(section):
+    """Every command of the section is a program of this machine (or one an earlier line
+    makes), and every `shoal ...` line parses with shoal's own parser."""
+    from cli.main import build_parser
+
+    made: set[str] = set()
+    [block] = readme_blocks(section)
+    for cmd in shell_commands(block):
+        program = cmd[0]
+        if program == "ln":
+            made.add(cmd[-1])
+        if program == "python3" and "venv" in cmd:
+            made.add(cmd[cmd.index("venv") + 1])
+        if program == "shoal":
+            assert "/usr/local/bin/shoal" in made or shutil.which("shoal"), cmd
+            build_parser().parse_args(cmd[1:])  # exits (SystemExit) on a wrong flag
+            continue
+        if any(program.startswith(m.rstrip("/") + "/") for m in made):
+            continue
+        assert shutil.which(program), f"{section}: {program} is not a program here ({' '.join(cmd)})"
+
+
+def test_the_image_holds_every_package_and_the_readme_overlay_builds(tmp_path):
+    """The Containerfile copies every product package (the `shoal` command is cli's), and
+    the README's overlay builds with `kubectl kustomize` into manifests whose every
+    container runs the image it names."""
+    import yaml
+
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = re.findall(r"^COPY (\w+) /src/\1$", (REPO / "deploy/kubernetes/Containerfile").read_text(), re.MULTILINE)
+    assert {p.rstrip("*") for p in packages} <= set(copied), (packages, copied)
+
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl is not installed (kubectl kustomize builds the overlay)")
+    [block] = readme_blocks("Install on Kubernetes")
+    m = re.search(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF\n", block, re.DOTALL)
+    assert m, block
+    (tmp_path / "deploy").symlink_to(REPO / "deploy")
+    target = tmp_path / m.group(1)
+    target.parent.mkdir(parents=True)
+    target.write_text(m.group(2) + "\n")
+    proc = subprocess.run(["kubectl", "kustomize", str(target.parent)], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    want = yaml.safe_load(m.group(2))["images"][0]
+    images = [c["image"] for d in docs if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]]
+    assert images and set(images) == {f"{want['newName']}:{want['newTag']}"}, images
+    assert {d["kind"] for d in docs} >= {"Namespace", "RuntimeClass", "DaemonSet", "StatefulSet", "Service"}

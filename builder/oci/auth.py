@@ -13,6 +13,11 @@ the `username` / `password` fields.
 
 Not supported: credential helpers (`credsStore`, `credHelpers`) and OAuth identity
 tokens (`identitytoken`); such entries are treated as no credentials (anonymous access).
+
+Before the files: credentials a process was given for one repository (`provide`), in
+memory only, each until its expiry: on a Kubernetes node, what the kubelet passed in
+PullImage's AuthConfig (snapshotter/criproxy.py). They serve that (host, repository)
+alone, never another repository of the same host.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import binascii
 import json
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +62,56 @@ def auth_files() -> list[Path]:
     return files
 
 
+# (host, repository) -> (credentials, monotonic expiry): provide()'s, in memory only
+_provided: dict[tuple[str, str], tuple[Credentials, float]] = {}
+_provided_lock = threading.Lock()
+
+
+def _hub(host: str) -> str:
+    return "docker.io" if host in _DOCKER_HUB else host
+
+
+def provide(host: str, repository: str, creds: Credentials | None, ttl: float = 0.0) -> None:
+    """Use `creds` for `repository` on `host` (and only there) for `ttl` seconds, before
+    any credential file; None forgets what was provided for it. Any thread."""
+    key = (_hub(host), repository)
+    with _provided_lock:
+        if creds is None:
+            _provided.pop(key, None)
+        else:
+            _provided[key] = (creds, time.monotonic() + ttl)
+
+
+def provided(host: str, repository: str) -> Credentials | None:
+    """What provide() gave for exactly (host, repository) and has not expired, or None."""
+    key = (_hub(host), repository)
+    with _provided_lock:
+        entry = _provided.get(key)
+        if entry is not None and entry[1] <= time.monotonic():
+            del _provided[key]
+            entry = None
+    return entry[0] if entry is not None else None
+
+
+def provided_statistics() -> list[dict]:
+    """The provided credentials' scopes (no secret): [{"registry", "repository", "expires_in_s"}]."""
+    now = time.monotonic()
+    with _provided_lock:
+        return [{"registry": h, "repository": r, "expires_in_s": round(exp - now, 1)}
+                for (h, r), (_, exp) in sorted(_provided.items()) if exp > now]
+
+
 def find_credentials(host: str, repository: str = "") -> Credentials | None:
-    """Credentials for `host` (and optionally `repository`), or None for anonymous.
+    """Credentials for `host` (and optionally `repository`), or None for anonymous:
+    those provided for the repository (provide()), else the files' (auth_files()).
 
     Raises TransportError naming the file if a credential file exists but is unreadable
     or malformed (silently ignoring it would turn a typo into a confusing 401).
     """
+    if repository:
+        given = provided(host, repository)
+        if given is not None:
+            return given
     for path in auth_files():
         auths = _load_auths(path)
         if auths is None:

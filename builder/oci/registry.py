@@ -174,11 +174,15 @@ class _Client:
     def _authenticate(self, resp: requests.Response, what: str) -> bool:
         """Answer a 401 challenge; True if a retry with new credentials makes sense."""
         scheme, params = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+        # the credentials as they are now: a long-lived client (a node's origin source)
+        # meets credentials rotated in the file, or provided for the repository, since
+        self._credentials_loaded = False
         creds = self.credentials()
         if scheme == "basic":
-            if creds is None or self._authorization is not None:
+            header = _basic_header(creds) if creds is not None else None
+            if header is None or header == self._authorization:
                 return False
-            self._authorization = _basic_header(creds)
+            self._authorization = header
             return True
         if scheme == "bearer" and params.get("realm"):
             scopes = [self.scope]

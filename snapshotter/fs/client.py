@@ -124,6 +124,15 @@ class FSClient:
         """The loaded layer's proof: {"diff_id"} or {"error", "final"} (fs/proof.py)."""
         return self._call("prove", timeout=timeout, id=layer_id, urgent=urgent)
 
+    def provide_credentials(self, registry: str, repository: str, creds, ttl: float = 0.0) -> None:
+        """The fetch chain reads `repository` with `creds` (builder.oci.auth.Credentials)
+        for `ttl` seconds; None forgets them. Over the root-only control socket."""
+        if creds is None:
+            self._call("credentials", registry=registry, repository=repository)
+        else:
+            self._call("credentials", registry=registry, repository=repository, username=creds.username,
+                       password=creds.password, ttl=ttl)
+
     def mark_bad(self, layer_id: str, reason: str) -> None:
         """Every open and read of the loaded layer fails from now on (EIO), after restarts too."""
         self._call("mark_bad", id=layer_id, reason=reason)

@@ -13,6 +13,12 @@ snapshotter/fs/client.py FSClient has a typed method for every op:
     {"op": "warmth", "chunks": [ENTRY]?, "whole": [DIGEST]?}    -> {"layers": [row], "prefetch"}
     {"op": "prove", "id": HEX, "urgent": bool?}       -> {"diff_id"} | {"error", "final"}
     {"op": "mark_bad", "id": HEX, "reason": TEXT}     -> {}
+    {"op": "credentials", "registry", "repository", "username"?, "password"?, "ttl"?}
+                                                      -> {}: the node's fetch chain reads that
+                                                         repository with them (builder/oci/auth.py
+                                                         provide) for ttl seconds; no username:
+                                                         forget them. From the CRI proxy
+                                                         (snapshotter/criproxy.py); never logged
     {"op": "stats"}, {"op": "download", ...}          -> the swarm's ops (p2p/control.py), when
                                                          the node's fetch chain has a swarm
 
@@ -64,7 +70,7 @@ class NodeControl:
         self.ops: dict[str, Ops] = {
             "ping": self.ping, "load": self.load, "unload": self.unload, "status": self.status,
             "profile": self.profile, "prefetch": self.prefetch, "warmth": self.warmth, "prove": self.prove,
-            "mark_bad": self.mark_bad, **dict.fromkeys(SWARM_OPS, self.swarm_op),
+            "mark_bad": self.mark_bad, "credentials": self.credentials, **dict.fromkeys(SWARM_OPS, self.swarm_op),
         }
 
     def handle(self, req: dict) -> dict:
@@ -75,7 +81,8 @@ class NodeControl:
         try:
             return fn(req)
         except (ShoalError, OSError, ValueError, KeyError) as e:
-            log.error("control %s: %s", json.dumps(req)[:200], e)
+            shown = {k: ("***" if k == "password" else v) for k, v in req.items()}
+            log.error("control %s: %s", json.dumps(shown)[:200], e)
             raise
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -106,7 +113,10 @@ class NodeControl:
         return {"unloaded": self._on_loop(self.fs.unload, str(req["id"]))}
 
     def status(self, req: dict) -> dict:
-        return self._on_loop(lambda: {**self.fs.status(), "store": self.fs.data_path_statistics()})
+        from builder.oci.auth import provided_statistics
+
+        return self._on_loop(lambda: {**self.fs.status(), "store": self.fs.data_path_statistics(),
+                                      "credentials": provided_statistics()})
 
     def profile(self, req: dict) -> dict:
         return {"chunks": self.fs.trace.profile(req.get("layers"))}  # (the trace is thread-safe)
@@ -146,6 +156,21 @@ class NodeControl:
         layer_id = str(req["id"])
         self._on_loop(self.fs.mark_bad, layer_id, str(req.get("reason") or "marked bad"))
         self.fs.drop_cached_pages(layer_id)
+        return {}
+
+    def credentials(self, req: dict) -> dict:
+        from builder.oci.auth import Credentials, provide
+
+        registry, repository, username = req.get("registry"), req.get("repository"), req.get("username")
+        ttl, password = req.get("ttl", 0.0), req.get("password", "")
+        if not (isinstance(registry, str) and registry and isinstance(repository, str) and repository):
+            raise ValueError("credentials: needs a registry and a repository")
+        if username is None:
+            provide(registry, repository, None)
+            return {}
+        if not (isinstance(username, str) and isinstance(password, str) and isinstance(ttl, (int, float))):
+            raise ValueError("credentials: username and password are strings, ttl a number")  # noqa: TRY004
+        provide(registry, repository, Credentials(username, password), float(ttl))
         return {}
 
     # --- the swarm's
