@@ -82,6 +82,8 @@ class NodeFetch:
         self._local = threading.local()
         self.manifests: dict[str, dict[str, int]] = {}  # source -> {"bytes", "requests"}
         self.blobs = {"small": 0, "whole": 0, "whole_bytes": 0, "digest_mismatches": 0}
+        # counters go on from what an earlier node process counted (the layer fs's outlive it too)
+        self._before = read_statistics(root)
 
     # --- manifests
 
@@ -181,8 +183,9 @@ class NodeFetch:
 
     def statistics(self) -> dict:
         with self._lock:
-            return {"manifests": {k: dict(v) for k, v in self.manifests.items()}, "blobs": dict(self.blobs),
-                    "sources": self.chain.statistics()}
+            now = {"manifests": {k: dict(v) for k, v in self.manifests.items()}, "blobs": dict(self.blobs),
+                   "sources": self.chain.statistics()}
+        return _added(self._before, now)
 
     def save(self) -> None:
         """ROOT/node-fetch.json, replaced whole (a reader never sees half of it)."""
@@ -195,6 +198,21 @@ class NodeFetch:
     def close(self) -> None:
         self.save()
         self.chain.close()
+
+
+def _added(before: object, now: dict) -> dict:
+    """`now` with the numbers of `before` (same shape, or not: what does not match is
+    dropped) added in."""
+    out = dict(now)
+    if not isinstance(before, dict):
+        return out
+    for key, old in before.items():
+        new = out.get(key)
+        if isinstance(old, dict) and (new is None or isinstance(new, dict)):
+            out[key] = _added(old, new or {})
+        elif isinstance(old, int | float) and not isinstance(old, bool) and (new is None or isinstance(new, int | float)):
+            out[key] = old + (new or 0)
+    return out
 
 
 def read_statistics(root: str) -> dict:
