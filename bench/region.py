@@ -160,8 +160,17 @@ def start_region(work: Path, origin_url: str, store: str = "region-store",
     return proc, port, log_path
 
 
-def region_status(port: int, host: str = "127.0.0.1") -> dict:
-    conn = http.client.HTTPConnection(host, port, timeout=30)
+def _connection(host: str, port: int, timeout: float, ca: str = "") -> http.client.HTTPConnection:
+    """HTTP, or HTTPS trusting `ca` alone (a lab region's own CA)."""
+    if not ca:
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+    import ssl
+
+    return http.client.HTTPSConnection(host, port, timeout=timeout, context=ssl.create_default_context(cafile=ca))
+
+
+def region_status(port: int, host: str = "127.0.0.1", ca: str = "") -> dict:
+    conn = _connection(host, port, 30, ca)
     conn.request("GET", "/-/status")
     data = json.loads(conn.getresponse().read())
     conn.close()
@@ -184,11 +193,11 @@ def stop_region(region: subprocess.Popen) -> None:
     region.stdout.close()
 
 
-def read_range(host: str, port: int, digest: str, start: int, end: int) -> tuple[float, bytes]:
-    """(seconds, body) of one GET of bytes [start, end) on a new connection, as a node's
-    first request makes it."""
+def read_range(host: str, port: int, digest: str, start: int, end: int, ca: str = "") -> tuple[float, bytes]:
+    """(seconds, body) of one GET of bytes [start, end) on a new connection (with its TLS
+    handshake when `ca` is given), as a node's first request makes it."""
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(host, port, timeout=300)
+    conn = _connection(host, port, 300, ca)
     conn.request("GET", f"/v2/{REPOSITORY}/blobs/{digest}", headers={"Range": f"bytes={start}-{end - 1}"})
     resp = conn.getresponse()
     body = resp.read()
@@ -239,9 +248,9 @@ def run_tail(work: Path, registry, digest: str, size: int, blob_path: Path, samp
 
 _LAB_READ = ("import hashlib, json, sys\n"
              "from bench.region import read_range, region_status\n"
-             "h, p, d, a, b, st = sys.argv[1:]\n"
-             "s, body = read_range(h, int(p), d, int(a), int(b))\n"
-             "status = region_status(int(p), h) if st == 'status' else None\n"
+             "h, p, d, a, b, st, ca = sys.argv[1:]\n"
+             "s, body = read_range(h, int(p), d, int(a), int(b), ca)\n"
+             "status = region_status(int(p), h, ca) if st == 'status' else None\n"
              "print(json.dumps({'seconds': s, 'sha': hashlib.sha256(body).hexdigest(), 'status': status}))\n")
 
 
@@ -264,16 +273,16 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
         netlab.push_blob(lab, registry, REPOSITORY, work / "warm-blob", warm_digest)
         lab.cap(origin_host, mbit)
 
-        def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False) -> dict:
+        def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False, ca: str = "") -> dict:
             out = lab.run(client, [sys.executable, "-c", _LAB_READ, host, str(port), blob, str(a), str(b),
-                                   "status" if then_status else "-"],
+                                   "status" if then_status else "-", ca],
                           timeout=600, cwd=REPO, env=netlab._env())
             if out.returncode != 0:
                 raise RuntimeError(f"lab read: {out.stderr[-1000:]}")
             return json.loads(out.stdout)
 
         def status(region) -> dict:
-            return json.loads(netlab.http_get(lab, lab.hub, region.url + "/-/status")[0])
+            return json.loads(netlab.http_get(lab, lab.hub, region.url + "/-/status", ca=region.ca)[0])
 
         def idle(region) -> dict:
             deadline = time.monotonic() + 600
@@ -289,11 +298,11 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
             origin_times.append(got["seconds"])
             config = f"fill_window = {json.dumps(fill_window)}\n" if fill_window else ""
             region = netlab.start_region(lab, work / f"lab-region-{i}", registry, port=5080 + i, config=config)
-            rhost, rport = region.url.removeprefix("http://").split(":")
-            try:
-                read(rhost, int(rport), warm_digest, warm_size - (1 << 20), warm_size)
+            rhost, rport = region.url.split("://", 1)[1].split(":")
+            try:  # (HTTPS, the region's default: the origin is plain HTTP, so the region pays a handshake more)
+                read(rhost, int(rport), warm_digest, warm_size - (1 << 20), warm_size, ca=region.ca)
                 before = idle(region)
-                got = read(rhost, int(rport), digest, start, end, then_status=True)
+                got = read(rhost, int(rport), digest, start, end, then_status=True, ca=region.ca)
                 st = got["status"]
                 if got["sha"] != want:
                     raise RuntimeError("the region answered wrong bytes")
