@@ -135,7 +135,7 @@ def test_full_and_profile_jobs_are_ready_at_one_origin_copy_and_starts_read_noth
     assert registry.layer_bytes(manifest) - before == origin
 
     # profile mode: a profile recorded on a node of its own (not of the region), then a job for both
-    ref2, manifest2 = lazy_app_image(registry, tmp_path / "profile", "preheat/profile", CMD)[1:]
+    ref2, manifest2 = lazy_app_image(registry, tmp_path / "profile", "preheat/profile", CMD, salt="profile")[1:]
     with shoal_node_with_containerd("shoal-phr-") as recorder:
         out_first, _ = lazy_start(registry, manifest2, ref2, recorder, "ph-record")
         saved = shoal("profile", "save", ref2, "--root", str(recorder[0].root), "--push", "--json")
@@ -158,14 +158,15 @@ def test_full_and_profile_jobs_are_ready_at_one_origin_copy_and_starts_read_noth
 
 
 def test_an_unregistered_node_and_a_node_killed_mid_warm_up_are_named_not_warm(module_registry, fleet, tmp_path):
-    region, nodes = fleet
-    ref, manifest = lazy_app_image(module_registry, tmp_path / "img", "preheat/killed", CMD)[1:]
+    region, _ = fleet
+    ref = lazy_app_image(module_registry, tmp_path / "img", "preheat/killed", CMD, salt="killed")[1]
     with shoal_node_with_containerd("shoal-ph3-", node_config(region, "n3")) as (n3, _):
         wait_for(lambda: region.nodes().get("n3", {}).get("state") == "up", "n3 registered")
         from snapshotter.fs.client import FSClient
 
-        fs_pid = FSClient(str(n3.root)).pid
-        assert fs_pid
+        fs = FSClient(str(n3.root))
+        assert fs.running() and fs.pid
+        fs_pid = fs.pid
         os.kill(fs_pid, signal.SIGSTOP)  # n3's warm-up cannot get anywhere: it is killed in the middle
         try:
             hook = subprocess.Popen(
@@ -175,7 +176,7 @@ def test_an_unregistered_node_and_a_node_killed_mid_warm_up_are_named_not_warm(m
             try:
                 wait_for(lambda: "preheat job" in n3.log() and "warming" in n3.log(), "n3 took the job", 30)
                 n3.kill()
-                out, err = hook.communicate(timeout=120)
+                _, err = hook.communicate(timeout=120)
             finally:
                 stop_process(hook)
         finally:
