@@ -28,6 +28,8 @@ NODE_CASES = [
     ('[swarm]\nenabled = true\nconnections_limit = "500"\n', "swarm.connections_limit = '500': must be a whole"),
     ('[swarm]\nenabled = true\npeer_wait = "abc"\n', "swarm.peer_wait = 'abc': must be a number"),
     ("[snapshotter\n", "not valid TOML"),
+    ('[node]\nname = "gpu[1-2]"\n', "node.name = 'gpu[1-2]': want letters, digits"),
+    ("[node]\nname = 7\n", "node.name = 7: must be a string"),
 ]
 
 REGION_CASES = [
@@ -37,6 +39,8 @@ REGION_CASES = [
     ('[disk]\ncapacity = "5Q"\n', "disk.capacity = '5Q': must be a size"),
     ("io_threads = 0\n", "io_threads = 0: must be between 1 and 1024"),
     ('block_size = "1K"\n', "block_size = 1024: must be between 4096"),
+    ("[prefetch]\nnode_timeout = 0\n", "prefetch.node_timeout = 0.0: must be between 1 and 3600"),
+    ("[prefetch]\ntoken_file = 3\n", "prefetch.token_file = 3: must be a string"),
 ]
 
 

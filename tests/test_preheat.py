@@ -127,6 +127,12 @@ def test_full_and_profile_jobs_are_ready_at_one_origin_copy_and_starts_read_noth
     assert im["warm_bytes"] == im["target_bytes"] == target and im["mode"] == "full"
     text = shoal("status", "--root", str(nodes["n1"][0].root)).stdout
     assert f"{job['manifest']}  {ref}  full: {target:,} of {target:,} B warm" in text
+    from shoal.metrics import parse
+    from snapshotter.status import node_metrics, node_status
+
+    metrics = parse(node_metrics(node_status(str(nodes["n2"][0].root))))
+    assert metrics[f'shoal_node_image_warm_bytes{{manifest="{job["manifest"]}"}}'] == target
+    assert metrics[f'shoal_node_image_target_bytes{{manifest="{job["manifest"]}"}}'] == target
     for name, node_ctd in nodes.items():
         out, fetched = lazy_start(registry, manifest, ref, node_ctd, f"ph-full-{name}")
         assert out.rstrip().endswith("[42]")
