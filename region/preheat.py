@@ -71,6 +71,7 @@ MAX_TIMEOUT_S = 7 * 86400
 MAX_NODES = 100_000
 MAX_JOBS = 1000  # jobs remembered; the oldest finished ones are forgotten first
 MAX_MANIFEST = 8 << 20
+REFRESH_EVERY = 0.25  # seconds between two scans of one job's nodes
 NODE_STATES = ("warming", "warm", "failed", "timeout")  # what a node may report
 FINAL = ("timeout", "failed", "cancelled")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -131,6 +132,7 @@ class Job:
     origin_start: int
     served_start: int
     state: str = "pending"
+    refreshed: float = -1e9  # monotonic: the last scan of its nodes (PreheatService.refresh)
     ended: float | None = None
     origin_bytes: int = 0
     region_bytes: int = 0
@@ -232,6 +234,14 @@ class PreheatService:
         r.add_post("/nodes/{name}", self._register)
         r.add_get("/nodes/{name}/work", self._work)
         r.add_post("/nodes/{name}/reports", self._report)
+        self.closing = False
+        self.app.on_shutdown.append(self._on_shutdown)
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        """The region stops: the held polls answer now (their nodes poll again, elsewhere or later)."""
+        self.closing = True
+        for node in self.nodes.values():
+            node.wake.set()
 
     # --- the Extension seam -------------------------------------------------------------
 
@@ -282,11 +292,16 @@ class PreheatService:
         st = self.cache.stats
         return st["origin_bytes"] + st["origin_range_bytes"], st["bytes_served"]
 
-    def refresh(self, job: Job) -> None:
-        """Work out the job's state and its nodes' from the reports and the clock."""
+    def refresh(self, job: Job, force: bool = False) -> None:
+        """Work out the job's state and its nodes' from the reports and the clock: a scan
+        of its nodes, at most every REFRESH_EVERY seconds per job unless forced (a job of
+        100,000 nodes and their reports must not cost a scan each)."""
         if not job.active:
             return
         now = time.monotonic()
+        if not force and now - job.refreshed < REFRESH_EVERY:
+            return
+        job.refreshed = now
         for jn in job.nodes.values():
             node = self.nodes.get(jn.name)
             if jn.state in ("warm", "failed", "timeout"):
@@ -328,7 +343,7 @@ class PreheatService:
         job = self.jobs.get(request.match_info["id"])
         if job is None:
             raise Refused(404, f"no preheat job {request.match_info['id'][:40]!r}")
-        self.refresh(job)
+        self.refresh(job, force=len(job.nodes) <= 1000)
         return job
 
     def _forget_old(self) -> None:
@@ -385,7 +400,7 @@ class PreheatService:
         for name in job.nodes:
             if name in self.nodes:
                 self.nodes[name].wake.set()
-        self.refresh(job)
+        self.refresh(job, force=True)
         log.info("preheat job %s: %s (%s) on %d nodes, ready at %d, timeout %gs", job.id, job.image, manifest,
                  len(job.nodes), job.needed, job.timeout_s)
         return web.json_response({"id": job.id, "manifest": manifest}, status=201)
@@ -453,9 +468,8 @@ class PreheatService:
         out = []
         now = time.monotonic()
         for job in self.jobs.values():
-            self.refresh(job)
             jn = job.nodes.get(node.name)
-            if jn is None or jn.delivered or not job.active:
+            if jn is None or jn.delivered or not job.active or now - job.created >= job.timeout_s:
                 continue
             jn.delivered = True
             out.append({"id": job.id, "image": job.image, "manifest": job.manifest, "mode": job.mode,
@@ -470,7 +484,7 @@ class PreheatService:
             node.wake.clear()
             jobs, cancels = self._assignments(node), node.cancels
             node.cancels = []
-            if jobs or cancels or self.nodes.get(name) is not node:
+            if jobs or cancels or self.closing or self.nodes.get(name) is not node:
                 break
             left = deadline - time.monotonic()
             if left <= 0:

@@ -300,3 +300,23 @@ def test_cancel_and_a_job_without_wait(module_registry, fleet, tmp_path):
     assert gone["state"] == "cancelled"
     time.sleep(1)
     assert region.api("GET", f"/jobs/{job['id']}").json()["state"] == "cancelled"
+    # on a terminal, --wait shows its progress (on stderr; the result line on stdout)
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        again = subprocess.run([SHOAL, "prefetch", ref, "--region", region.url, "--ca", region.ca, "--token-file",
+                                str(region.token_file), "--nodes", "n1", "--mode", "full", "--wait"],
+                               stdout=subprocess.PIPE, stderr=follower, text=True, timeout=180, check=False)
+        shown = os.read(leader, 65536).decode(errors="replace")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert again.returncode == 0 and " ready (full): 1 of 1 nodes warm" in again.stdout
+    assert f"{ref}: " in shown and "nodes warm (need 1)" in shown
+    # a long node list fits one request (the API's limit is the node count)
+    many = [f"gpu{i:06d}" for i in range(100_000)]
+    resp = region.api("POST", "/jobs", json={"image": ref, "nodes": many, "timeout_s": 1})
+    assert resp.status_code == 201, resp.text
+    resp = region.api("POST", "/jobs", json={"image": ref, "nodes": [*many, "one-more"]})
+    assert resp.status_code == 400 and resp.json()["error"] == "nodes: 100001 names, at most 100000"
