@@ -2,6 +2,8 @@
 image's start reads, and publish it).
 
     shoal prefetch REF --root DIR [--mode profile|full] [--wait] [--timeout S] [--json]
+    shoal prefetch REF --region URL (--nodes A,B | --nodelist EXPR | --nodes-file F) [--mode ...]
+                   [--wait] [--timeout S] [--ready F] [--json] [--token-file F] [--ca F] [--plain-http]
 
     shoal profile record REF [--timeout S] (--push | --out FILE) [-- CMD ARGS...]
     shoal profile save REF [--root ROOT] (--push | --out FILE) [--plain-http]
@@ -354,7 +356,9 @@ def add_parser(sub) -> None:
             "Warm nodes for REF: load the TOCs of its lazy layers into each node's layer file system and fetch "
             "the chunks its access profile names (--mode profile) or every chunk of its lazy layers (--mode full) "
             "into each node's chunk store. Warmth is measured by the node, not assumed. --root DIR warms this "
-            "node alone, through its running `shoal node --root DIR` (per-node hooks such as a Slurm Prolog)."
+            "node alone, through its running `shoal node --root DIR` (per-node hooks such as a Slurm Prolog); "
+            "--region URL with the job's nodes makes a job of the region's preheat API: the nodes registered with "
+            "the region warm themselves and report how warm they are (a Slurm PrologSlurmctld)."
         ),
         epilog="exit status: 0 warm (or, without --wait, handed to the node), 1 not warm by --timeout or "
         "failed (one line naming what is not warm), 2 usage error.",

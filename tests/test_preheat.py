@@ -320,3 +320,35 @@ def test_cancel_and_a_job_without_wait(module_registry, fleet, tmp_path):
     assert resp.status_code == 201, resp.text
     resp = region.api("POST", "/jobs", json={"image": ref, "nodes": [*many, "one-more"]})
     assert resp.status_code == 400 and resp.json()["error"] == "nodes: 100001 names, at most 100000"
+
+
+def test_ready_fraction_counts_warm_nodes_and_never_one_for_all(module_registry, fleet, tmp_path):
+    region, _ = fleet
+    ref = lazy_app_image(module_registry, tmp_path, "preheat/fraction", CMD, salt="fraction")[1]
+    half = prefetch(region, ref, "--nodes", "n1,ghost", "--ready", "0.5", "--mode", "full", "--wait", "--json",
+                    "--timeout", "120")
+    assert half.returncode == 0, half.stderr
+    job = json.loads(half.stdout)
+    assert job["state"] == "ready" and job["ready_nodes"] == 1 and job["needed_nodes"] == 1
+    assert {n["name"]: n["state"] for n in job["nodes"]} == {"n1": "warm", "ghost": "unknown"}
+    # n1 is warm now: with the default fraction (1.0) one warm node of two is not ready
+    proc = prefetch(region, ref, "--nodes", "n1,ghost", "--mode", "full", "--wait", "--json", "--timeout", "3")
+    assert proc.returncode == 1
+    job = json.loads(proc.stdout)
+    assert job["state"] == "timeout" and job["ready_nodes"] == 1 and job["needed_nodes"] == 2
+    assert "1 of 2 nodes not warm: ghost (unknown: not registered" in proc.stderr
+
+
+def test_nodes_register_again_with_a_region_that_restarted(module_registry, fleet):
+    """(Last in the module: it restarts the fleet's region.) The region forgets its nodes
+    when it stops; their next poll fails, they register again, and jobs reach them."""
+    region, _ = fleet
+    port = int(region.url.rsplit(":", 1)[1])
+    stop_process(region.proc)
+    region.proc.stdout.close()
+    proc, url, _ = start_region(module_registry.url, region.store, region.store.parent / "region-2.log",
+                                config=f"[prefetch]\nnode_timeout = {NODE_TIMEOUT}\n", port=port)
+    region.proc = proc  # (the fixture stops this one)
+    assert url == region.url and region.token == region.token_file.read_text().strip()  # same store, same secrets
+    wait_for(lambda: {"n1", "n2"} <= {n for n, v in region.nodes().items() if v["state"] == "up"},
+             "both nodes registered again", 90)
