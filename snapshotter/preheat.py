@@ -41,7 +41,9 @@ def node_runner(root: str, fetch: dict) -> Run:
         from builder.oci.refs import parse_registry_ref
 
         named = parse_registry_ref(a.image)
-        _, plain, manifest, descriptors = resolve_image(f"{named.host}/{named.repository}@{a.manifest}")
+        plain_hosts = fetch.get("plain_http_hosts") or []  # (the node's rule: loopback, or these hosts)
+        _, plain, manifest, descriptors = resolve_image(f"{named.host}/{named.repository}@{a.manifest}",
+                                                        named.host in plain_hosts)
         job = LocalPrefetch(a.image, BlobRef(named.host, named.repository, manifest, None, plain), manifest,
                             descriptors, root, a.mode, fetch)
 

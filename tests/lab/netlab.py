@@ -638,6 +638,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
         config = {
             "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host], **(fetch or {})},
             "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
+            "node": {"name": host.ns},  # (one host name for all: the namespaces share the UTS one)
         }
         metrics_address = ""
         if metrics:
