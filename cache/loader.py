@@ -237,6 +237,9 @@ class NodeChunkLoader:
         self.fetched_bytes = 0  # compressed bytes that came over the network
         self.readahead_chunks = 0
         self.prefetched_chunks = 0  # fetched by prefetch() before any read asked for them
+        # chunks whose bytes a source keeps on the node (Held: the swarm's torrent storage),
+        # so not stored a second time: warm all the same (stored())
+        self._held: set[str] = set()
         self.fetch_seconds = 0.0  # waiting for the sources
         self.decode_seconds = 0.0  # decompressing and verifying what they sent
         self._order: list[Chunk] = []  # every chunk of the layer by blob offset
@@ -259,8 +262,11 @@ class NodeChunkLoader:
         return list(self._order)
 
     def stored(self, digest: str) -> bool:
-        """The chunk is in the node's chunk store (or on its way there): what "warm" means."""
-        return self.cache.contains(digest)
+        """The chunk is in the node's chunk store (or on its way there), or its bytes came
+        from a source that keeps them on the node (the swarm's storage, which a later read
+        takes them from): what "warm" means. (A blob the swarm drops afterwards is not
+        noticed here: its chunks count as warm as of their fetch.)"""
+        return digest in self._held or self.cache.contains(digest)
 
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):
@@ -447,7 +453,9 @@ class NodeChunkLoader:
             data, held = outs[k]
             if c.digest and self.memory is not None:
                 self.memory.put(c.digest, data)
-            if c.digest and not held:
+            if c.digest and held:
+                self._held.add(c.digest)
+            elif c.digest:
                 try:
                     self.cache.put(c.digest, data)
                 except OSError as e:  # a full disk must not fail the read

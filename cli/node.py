@@ -56,9 +56,15 @@ def cmd_node(args: argparse.Namespace) -> int:
         logging.getLogger("shoal.node").info("[fetch] lazy = false: no layer file system, no lazy layers")
     node = Node(args.root, args.socket, config, remote=remote)
     node.start()
+    worker = None
     try:
+        from snapshotter.preheat import start_worker
+
+        worker = start_worker(os.path.abspath(args.root), config)  # with [fetch] region_url: the region's work
         node.wait(stop)
     finally:
+        if worker is not None:
+            worker.stop()
         node.stop()
     return 0
 

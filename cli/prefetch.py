@@ -2,6 +2,8 @@
 image's start reads, and publish it).
 
     shoal prefetch REF --root DIR [--mode profile|full] [--wait] [--timeout S] [--json]
+    shoal prefetch REF --region URL (--nodes A,B | --nodelist EXPR | --nodes-file F) [--mode ...]
+                   [--wait] [--timeout S] [--ready F] [--json] [--token-file F] [--ca F] [--plain-http]
 
     shoal profile record REF [--timeout S] (--push | --out FILE) [-- CMD ARGS...]
     shoal profile save REF [--root ROOT] (--push | --out FILE) [--plain-http]
@@ -33,17 +35,9 @@ def _resolve(ref: str, plain_http: bool, platform: str | None):
 
 def _resolve_descriptors(ref: str, plain_http: bool, platform: str | None):
     """(DockerRef, plain HTTP?, manifest digest, layer descriptors) of an image in a registry."""
-    from builder.oci.documents import parse_manifest
-    from builder.oci.registry import RegistrySource
-    from snapshotter.pull import image_ref, resolve_manifest
+    from snapshotter.warm import resolve_image
 
-    _, parsed, plain = image_ref(ref, plain_http)
-    src = RegistrySource(parsed, plain_http=plain)
-    try:
-        _, manifest, _ = resolve_manifest(src, ref, platform)
-    finally:
-        src.close()
-    return parsed, plain, manifest.digest, parse_manifest(manifest.data, ref).layers
+    return resolve_image(ref, plain_http, platform)
 
 
 def _summary(ref: str, profile, where: str) -> dict:
@@ -222,9 +216,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     if args.region:
         if args.root:
             raise UsageError("--root warms this node, --region the job's nodes: give one")
-        _node_list(args)
-        raise ShoalError("the region preheat API (--region) is not in this version yet: "
-                         "run `shoal prefetch REF --root DIR` on each node (e.g. from a Slurm Prolog)")
+        return _prefetch_region(args, _node_list(args))
     if any(getattr(args, o) for o in ("nodes", "nodelist", "nodes_file")):
         raise UsageError("--nodes, --nodelist and --nodes-file go with --region; --root warms this node alone")
     if not args.root:
@@ -266,6 +258,97 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+TOKEN_ENV = "SHOAL_PREFETCH_TOKEN_FILE"  # the preheat API token's file when --token-file is not given
+CA_ENV = "SHOAL_REGION_CA"  # the region's CA when --ca is not given
+
+
+def _api_token(args: argparse.Namespace) -> str:
+    """The preheat API token: from --token-file, else the file $SHOAL_PREFETCH_TOKEN_FILE
+    names (a copy of the region's STORE/tls/prefetch-token); never a flag's value."""
+    import os
+
+    from cache.region.tls import read_token
+
+    path = args.token_file or os.environ.get(TOKEN_ENV, "")
+    if not path:
+        raise UsageError(f"--region needs the preheat API token: --token-file FILE or ${TOKEN_ENV} "
+                         "(a copy of the region's STORE/tls/prefetch-token)")
+    return read_token(path)
+
+
+def _region_progress(image: str):
+    import sys
+    import time
+
+    last = [0.0]
+
+    def show(job: dict) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.2:
+            return
+        last[0] = now
+        sys.stderr.write(f"\r\x1b[K{image}: {job['ready_nodes']}/{len(job['nodes'])} nodes warm "
+                         f"(need {job['needed_nodes']}), {job['warm_bytes'] / 1e6:,.1f} / "
+                         f"{job['target_bytes'] / 1e6:,.1f} MB, {job['state']}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _prefetch_region(args: argparse.Namespace, names: list[str]) -> int:
+    """`shoal prefetch REF --region URL --nodes...`: a job of the region's preheat API."""
+    import os
+    import sys
+    from urllib.parse import urlparse
+
+    from prefetch.client import PreheatClient, PreheatError, not_warm_line
+
+    url = urlparse(args.region)
+    if url.scheme not in ("https", "http") or not url.netloc:
+        raise UsageError(f"--region {args.region!r}: want https://HOST:PORT")
+    if url.scheme == "http" and not args.plain_http:
+        raise UsageError(f"--region {args.region}: plain HTTP only with --plain-http (a loopback region)")
+    token = _api_token(args)
+    image = args.ref.removeprefix("docker://")
+    api = PreheatClient(args.region, token, ca=args.ca or os.environ.get(CA_ENV, ""))
+    _interrupt_on_sigterm()  # a killed hook (Slurm's PrologEpilogTimeout) cancels its job
+    job_id = ""
+    try:
+        try:
+            job_id = api.create(image, names, mode=args.mode, timeout_s=args.timeout, ready_fraction=args.ready)
+        except PreheatError as e:
+            if e.status == 400:
+                raise UsageError(str(e)) from None
+            raise
+        if not args.wait:
+            job = api.get(job_id)
+        else:
+            progress = _region_progress(image) if not args.json and sys.stderr.isatty() else None
+            try:
+                job = api.wait(job_id, args.timeout + 30, progress)
+            finally:
+                if progress:
+                    sys.stderr.write("\r\x1b[K")
+    except KeyboardInterrupt:
+        if job_id:
+            try:
+                api.cancel(job_id)
+            except PreheatError:
+                pass
+        raise
+    finally:
+        api.close()
+    if args.json:
+        print(json.dumps(job))
+    else:
+        print(f"{image}  {job['manifest']}: job {job['id']} {job['state']} ({args.mode}): {job['ready_nodes']} of "
+              f"{len(job['nodes'])} nodes warm, origin {job['origin_bytes'] / 1e6:,.1f} MB")
+    if args.wait and job["state"] != "ready":
+        print(f"shoal prefetch: {image}: job {job['id']} {job['state']}: {not_warm_line(job)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_parser(sub) -> None:
     f = sub.add_parser(
         "prefetch", help="warm nodes for an image before a job starts it (the job-launch hook)",
@@ -273,14 +356,20 @@ def add_parser(sub) -> None:
             "Warm nodes for REF: load the TOCs of its lazy layers into each node's layer file system and fetch "
             "the chunks its access profile names (--mode profile) or every chunk of its lazy layers (--mode full) "
             "into each node's chunk store. Warmth is measured by the node, not assumed. --root DIR warms this "
-            "node alone, through its running `shoal node --root DIR` (per-node hooks such as a Slurm Prolog)."
+            "node alone, through its running `shoal node --root DIR` (per-node hooks such as a Slurm Prolog); "
+            "--region URL with the job's nodes makes a job of the region's preheat API: the nodes registered with "
+            "the region warm themselves and report how warm they are (a Slurm PrologSlurmctld)."
         ),
         epilog="exit status: 0 warm (or, without --wait, handed to the node), 1 not warm by --timeout or "
         "failed (one line naming what is not warm), 2 usage error.",
     )
     f.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (docker:// optional)")
     f.add_argument("--root", help="warm the node whose --root this is (its layer file system must run)")
-    f.add_argument("--region", metavar="URL", help="the region whose preheat API warms --nodes (not in this version)")
+    f.add_argument("--region", metavar="URL", help="the region whose preheat API warms the job's nodes")
+    f.add_argument("--token-file", metavar="FILE",
+                   help=f"with --region: the preheat API token (default: the file ${TOKEN_ENV} names)")
+    f.add_argument("--ca", metavar="FILE", help=f"with --region: the region's CA (default ${CA_ENV}, "
+                   "else the system trust store)")
     f.add_argument("--nodes", metavar="A,B,...", help="the job's nodes (with --region)")
     f.add_argument("--nodelist", metavar="EXPR", help="the job's nodes in Slurm hostlist syntax, e.g. gpu[001-128]")
     f.add_argument("--nodes-file", metavar="FILE", help="the job's nodes, in hostlist syntax, one or more a line")
@@ -292,7 +381,8 @@ def add_parser(sub) -> None:
                    help="with --region: the fraction of nodes that must be warm (default 1)")
     f.add_argument("--node-name", help="this node's name in the result (default: the host name)")
     f.add_argument("--config", metavar="FILE", help="the node's configuration file (for [fetch] settings)")
-    f.add_argument("--plain-http", action="store_true", help="HTTP to the registry (default for loopback)")
+    f.add_argument("--plain-http", action="store_true",
+                   help="HTTP to the registry (default for loopback); with --region: allow an http:// region")
     f.add_argument("--platform", help="os/arch of an index (default: this machine's)")
     f.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     f.set_defaults(func=cmd_prefetch)

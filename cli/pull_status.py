@@ -35,6 +35,12 @@ def format_status(s: dict) -> str:
     if pf.get("queued_chunks"):
         lines.append(f"  prefetch (access profiles): {pf['queued_chunks']} chunks queued,"
                      f" {pf.get('jobs_pending', 0)} jobs pending, {pf.get('layers_waiting', 0)} layers not loaded yet")
+    images = s.get("images") or []
+    if images:
+        lines.append(f"  images warmed (shoal prefetch; last measure): {len(images)}")
+    for im in images:
+        lines.append(f"    {im['manifest']}  {im['image']}  {im['mode']}: {im['warm_bytes']:,} of"
+                     f" {im['target_bytes']:,} B warm{' (warm)' if im.get('warm') else ''}")
     for c in s.get("chains", []):
         if c["proof"] == "bad":
             lines.append(f"    BAD chain {c['chain']}: layer {c['layer']} of {c['image']} holds diff_id {c['diff_id']}")

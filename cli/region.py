@@ -73,18 +73,20 @@ def cmd_region(args: argparse.Namespace) -> int:
 
     try:
         token = ensure_node_token(config.token_path)
+        prefetch_token = ensure_node_token(config.prefetch_token_path)
     except OSError as exc:
-        raise ShoalError(f"node token {config.token_path}: {exc.strerror or exc}") from None
+        raise ShoalError(f"region token: {exc.strerror or exc}") from None
     import asyncio
 
-    return asyncio.run(_serve(config, backend, host, port, tls, token))
+    return asyncio.run(_serve(config, backend, host, port, tls, token, prefetch_token))
 
 
-async def _serve(config, backend, host: str, port: int, tls, token: str) -> int:
+async def _serve(config, backend, host: str, port: int, tls, token: str, prefetch_token: str) -> int:
     from region.service import start_region
 
     try:
-        server = await start_region(config, backend, host, port, tls=tls, node_token=token)
+        server = await start_region(config, backend, host, port, tls=tls, node_token=token,
+                                    prefetch_token=prefetch_token)
     except OSError as exc:
         raise ShoalError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     import asyncio
@@ -100,6 +102,7 @@ async def _serve(config, backend, host: str, port: int, tls, token: str) -> int:
     if tls is not None and tls.ca:
         log.info("nodes pin the region's CA certificate %s ([fetch] region_ca)", tls.ca)
     log.info("nodes present the token in %s ([fetch] region_token_file)", config.token_path)
+    log.info("the preheat API (shoal prefetch --region) takes the token in %s", config.prefetch_token_path)
     await stop.wait()
     log.info("stopping")
     await server.stop()

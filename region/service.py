@@ -33,17 +33,24 @@ log = logging.getLogger("shoal.tracker")
 
 
 async def start_region(config: RegionConfig, backend: Backend, host: str, port: int, *, tls=None,
-                       node_token: str = "") -> RunningServer:
+                       node_token: str = "", prefetch_token: str = "") -> RunningServer:
     """The assembled region serving on host:port (0: any free port), over HTTPS with
     `tls` (a cache.region.tls.RegionTLS), else plain HTTP. The backend is closed on stop()."""
-    return await serve(make_region(config, backend, tls=tls, node_token=node_token), host, port)
+    return await serve(make_region(config, backend, tls=tls, node_token=node_token,
+                                   prefetch_token=prefetch_token), host, port)
 
 
-def make_region(config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "") -> RegionCache:
-    """The region cache, with the swarm service mounted when config.swarm."""
+def make_region(config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "",
+                prefetch_token: str = "") -> RegionCache:
+    """The region cache, with the swarm service mounted when config.swarm, and the
+    preheat service (region/preheat.py: the nodes it knows, jobs on them) always;
+    prefetch_token: the preheat API's secret (\"\" = none asked: in-process tests only)."""
+    from region.preheat import mount_preheat
+
     cache = RegionCache(config, backend, tls=tls, node_token=node_token)
     if config.swarm:
         mount_swarm(cache)
+    mount_preheat(cache, prefetch_token, config.prefetch.node_timeout)
     return cache
 
 

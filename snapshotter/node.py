@@ -134,6 +134,23 @@ class MetricsConfig:
 
 
 @dataclass
+class NodeSection:
+    """[node]: who this node is to its region (the preheat service, docs/prefetch.md)."""
+
+    # the node's name in preheat jobs (a Slurm node name); "" = the host name
+    name: str = field(default="", metadata=limits(check=lambda v: None if v == "" or _node_name_ok(v)
+                                                   else "want letters, digits, '.', '_', '-' (at most 255)"))
+    # the address the region lists for it; "" = the one it reaches the region from
+    address: str = field(default="", metadata=limits(check=lambda v: None if len(v) <= 255 else "at most 255 characters"))
+
+
+def _node_name_ok(value: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", value) is not None
+
+
+@dataclass
 class NodeConfig:
     """The whole `shoal node` configuration file. Each section is a dataclass; add a
     section by adding a field here (shoal.config checks every key and range)."""
@@ -146,6 +163,7 @@ class NodeConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
     cri: CRIConfig = field(default_factory=CRIConfig)
+    node: NodeSection = field(default_factory=NodeSection)
 
     def proofs(self):
         from snapshotter.chainproof import ProofConfig

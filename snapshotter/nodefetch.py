@@ -200,6 +200,21 @@ class NodeFetch:
         self.chain.close()
 
 
+_shared: dict[str, NodeFetch] = {}
+_shared_lock = threading.Lock()
+
+
+def node_fetch(root: str, config: dict) -> NodeFetch:
+    """The one NodeFetch of this process for the node at root (the node's RemoteLayers and
+    a preheat's or `shoal prefetch --root`'s in the same process share it, and so its
+    figures' file); made with the first caller's configuration."""
+    key = os.path.abspath(root)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = NodeFetch(key, config)
+        return _shared[key]
+
+
 def _added(before: object, now: dict) -> dict:
     """`now` with the numbers of `before` (same shape, or not: what does not match is
     dropped) added in."""

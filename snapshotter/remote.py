@@ -49,7 +49,7 @@ from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
 from snapshotter.fs.client import FSClient
-from snapshotter.nodefetch import NodeFetch
+from snapshotter.nodefetch import NodeFetch, node_fetch
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
     LABEL_LAYER_DIGEST,
@@ -103,7 +103,7 @@ class RemoteLayers:
         unpack) goes through the node's fetch chain (snapshotter/nodefetch.py)."""
         with self._locks_lock:
             if self._fetch is None:
-                self._fetch = NodeFetch(self.root, self.config)
+                self._fetch = node_fetch(self.root, self.config)
             return self._fetch
 
     # --- the seam -------------------------------------------------------------------------

@@ -34,6 +34,12 @@ def node_status(root: str) -> dict:
 
     status["node_fetch"] = read_statistics(root)
     status["fetch"] = fetch_figures(status.get("data_path") or {}, status["node_fetch"])
+    from snapshotter.warm import warmth_records
+
+    # each image's last measured warmth (shoal prefetch, the region's preheat jobs): compressed
+    # bytes of its target (profile chunks or whole lazy layers) in the chunk store
+    status["images"] = [{k: r.get(k) for k in ("image", "manifest", "mode", "warm_bytes", "target_bytes", "warm",
+                                               "measured")} for r in warmth_records(root)]
     return status
 
 
@@ -147,5 +153,11 @@ def node_metrics(s: dict) -> str:
          [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
         ("shoal_node_chains", gauge, "Chain ids the node provided, by proof state (lazy layers: pending|proven|bad).",
          [({"proof": p}, sum(c["proof"] == p for c in s.get("chains", []))) for p in ("pending", "proven", "bad")]),
+        ("shoal_node_image_warm_bytes", gauge,
+         "Compressed bytes of an image's prefetch target in the chunk store, at its last measure, by manifest digest.",
+         [({"manifest": im["manifest"]}, im["warm_bytes"]) for im in s.get("images", [])]),
+        ("shoal_node_image_target_bytes", gauge,
+         "Compressed bytes of an image's prefetch target (profile chunks or whole lazy layers), by manifest digest.",
+         [({"manifest": im["manifest"]}, im["target_bytes"]) for im in s.get("images", [])]),
         ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
     ])

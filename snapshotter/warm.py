@@ -25,6 +25,7 @@ after STALLED_ROUNDS rounds without a new chunk it has failed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -86,7 +87,9 @@ class LocalPrefetch:
         empty = {"target_chunks": 0, "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0}
         loaded = {ly["digest"] for ly in self.fs.status().get("layers", [])}
         layers = [rows.get(d) or {"digest": d, "loaded": d in loaded, **empty} for d in self.lazy]
-        return Warmth(layers, int((reply.get("prefetch") or {}).get("jobs_pending", 0)))
+        w = Warmth(layers, int((reply.get("prefetch") or {}).get("jobs_pending", 0)))
+        record_warmth(self.root, self.image, self.manifest, self.mode, w)
+        return w
 
     def wait_warm(self, timeout: float, progress: Callable[[Warmth], None] | None = None) -> tuple[str, Warmth, str]:
         """Poll until warm or `timeout` seconds pass: (node state, last measure, error)."""
@@ -149,3 +152,64 @@ def warm_local(image: str, blob: BlobRef, manifest: str, descriptors: list, root
 
 def default_node_name() -> str:
     return os.uname().nodename
+
+
+WARMTH_DIR = "prefetch"  # ROOT/prefetch/<manifest hex>.json: each image's last measured warmth
+MAX_WARMTH_RECORDS = 256
+
+
+def record_warmth(root: str, image: str, manifest: str, mode: str, w: Warmth) -> None:
+    """Keep the image's last measure where `shoal status` and the node's /metrics read it
+    (warmth_records); written by rename, root's alone; the oldest beyond
+    MAX_WARMTH_RECORDS images removed."""
+    folder = os.path.join(root, WARMTH_DIR)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        path = os.path.join(folder, manifest.split(":", 1)[-1] + ".json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"image": image, "manifest": manifest, "mode": mode, "warm_bytes": w.warm_bytes,
+                       "target_bytes": w.target_bytes, "warm": w.warm, "measured": time.time()}, f)
+        os.replace(tmp, path)
+        names = sorted((e for e in os.scandir(folder) if e.name.endswith(".json")), key=lambda e: e.stat().st_mtime)
+        for old in names[:-MAX_WARMTH_RECORDS]:
+            os.unlink(old.path)
+    except OSError as e:
+        log.debug("warmth record of %s: %s", manifest, e)
+
+
+def warmth_records(root: str) -> list[dict]:
+    """Every image's last measured warmth on the node at `root` (record_warmth), newest first."""
+    folder = os.path.join(root, WARMTH_DIR)
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    for e in entries:
+        if not e.name.endswith(".json"):
+            continue
+        try:
+            with open(e.path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("manifest"), str):
+            out.append(doc)
+    return sorted(out, key=lambda d: -float(d.get("measured") or 0))
+
+
+def resolve_image(ref: str, plain_http: bool = False, platform: str | None = None):
+    """(DockerRef, plain HTTP?, manifest digest, layer descriptors) of an image in its
+    registry, read with this node's credentials (the platform's manifest of an index)."""
+    from builder.oci.documents import parse_manifest
+    from builder.oci.registry import RegistrySource
+    from snapshotter.pull import image_ref, resolve_manifest
+
+    _, parsed, plain = image_ref(ref, plain_http)
+    src = RegistrySource(parsed, plain_http=plain)
+    try:
+        _, manifest, _ = resolve_manifest(src, ref, platform)
+    finally:
+        src.close()
+    return parsed, plain, manifest.digest, parse_manifest(manifest.data, ref).layers

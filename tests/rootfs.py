@@ -115,9 +115,10 @@ def special_layer(root: Path, entries: int = 3000) -> Path:
     return root
 
 
-def lazy_app_image(registry, root: Path, repo: str, cmd: list[str]) -> tuple[str, str, dict]:
+def lazy_app_image(registry, root: Path, repo: str, cmd: list[str], salt: str = "") -> tuple[str, str, dict]:
     """busybox + python + delta layers pushed as REPO:gzip and converted to REPO:lazy:
-    (gzip reference, lazy reference, the lazy image's manifest)."""
+    (gzip reference, lazy reference, the lazy image's manifest). `salt`: a file
+    /.shoal-salt-N with it in each layer, so the layers are not those of an unsalted build."""
     import json
 
     from builder.convert import convert
@@ -125,6 +126,9 @@ def lazy_app_image(registry, root: Path, repo: str, cmd: list[str]) -> tuple[str
     from tests.lab.fromdir import ImageConfig, build_image
 
     layers = [busybox_layer(root / "l1"), python_layer(root / "l2"), delta_layer(root / "l3")]
+    for i, layer in enumerate(layers):
+        if salt:
+            (layer / f".shoal-salt-{i}").write_text(salt + "\n")
     gz = f"{registry.host}/{repo}:gzip"
     build_image([str(p) for p in layers], f"docker://{gz}", ImageConfig(cmd=cmd), plain_http=True,
                 workdir=str(root))

@@ -88,15 +88,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_region(origin_url: str, store: Path, log_path: Path) -> tuple[subprocess.Popen, str, str]:
-    """`shoal region` in front of `origin_url` on a free loopback port, answering: (its
-    process, its https URL, the CA file it made at first start, which nodes pin). The
-    caller stops it (stop_process) and closes its stdout."""
-    port = free_port()
+def start_region(origin_url: str, store: Path, log_path: Path, config: str = "",
+                 port: int = 0) -> tuple[subprocess.Popen, str, str]:
+    """`shoal region` in front of `origin_url` on a free loopback port (or `port`), answering:
+    (its process, its https URL, the CA file it made at first start, which nodes pin). The
+    caller stops it (stop_process) and closes its stdout. `config`: TOML for its --config."""
+    port = port or free_port()
+    extra = []
+    if config:
+        path = log_path.with_suffix(".toml")
+        path.write_text(config)
+        extra = ["--config", str(path)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "region", "--listen", f"127.0.0.1:{port}", "--origin", origin_url,
-             "--store", str(store)],
+             "--store", str(store), *extra],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
         )
     if "serving" not in proc.stdout.readline().decode():

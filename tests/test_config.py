@@ -31,6 +31,8 @@ NODE_CASES = [
     (f'[cri]\nimage_service_socket = "/{"x" * 120}"\n', "longer than a unix socket path allows"),
     ("[cri]\ncredential_ttl = 0\n", "cri.credential_ttl = 0.0: must be between 60"),
     ("[snapshotter\n", "not valid TOML"),
+    ('[node]\nname = "gpu[1-2]"\n', "node.name = 'gpu[1-2]': want letters, digits"),
+    ("[node]\nname = 7\n", "node.name = 7: must be a string"),
 ]
 
 REGION_CASES = [
@@ -40,6 +42,8 @@ REGION_CASES = [
     ('[disk]\ncapacity = "5Q"\n', "disk.capacity = '5Q': must be a size"),
     ("io_threads = 0\n", "io_threads = 0: must be between 1 and 1024"),
     ('block_size = "1K"\n', "block_size = 1024: must be between 4096"),
+    ("[prefetch]\nnode_timeout = 0\n", "prefetch.node_timeout = 0.0: must be between 1 and 3600"),
+    ("[prefetch]\ntoken_file = 3\n", "prefetch.token_file = 3: must be a string"),
 ]
 
 

@@ -363,3 +363,34 @@ def test_node_and_region_metrics(world, nodes):
     assert r["shoal_region_tracker_peers"] >= 2 and r["shoal_region_tracker_torrents"] >= 1
     assert r["shoal_region_torrents_made_total"] == after["swarm"]["torrents"]["made"] >= 1
     assert "# TYPE shoal_region_served_bytes_total counter" in text
+
+
+def test_a_preheat_job_warms_four_nodes_through_the_swarm_at_one_origin_copy(world, nodes):
+    """The region's preheat API over the swarm: `shoal prefetch --region --mode full` for
+    four registered nodes (named after their namespaces); every node warm, measured by
+    itself; the origin served one copy of the layer; the nodes took part of it from
+    each other."""
+    import json
+
+    image, _ = world.image({"a.bin": 6 * MiB, "b.bin": 2 * MiB})
+    started = nodes(4)
+    names = [n.host.ns for n in started]
+    (layer,) = image.layers
+    token_file = str(Path(world.region.token_file).parent / "prefetch-token")
+    proc = world.lab.run(world.lab.hub, [netlab.SHOAL, "prefetch", image.name, "--region", world.region.url,
+                                         "--ca", world.region.ca, "--token-file", token_file, "--nodes",
+                                         ",".join(names), "--mode", "full", "--wait", "--timeout", "120", "--json"],
+                         timeout=200, env=netlab._env())
+    assert proc.returncode == 0, proc.stderr + "\n".join(n.log() for n in started)
+    job = json.loads(proc.stdout)
+    assert job["state"] == "ready" and job["ready_nodes"] == 4
+    assert {n["name"] for n in job["nodes"]} == set(names)
+    assert all(n["state"] == "warm" and n["warm_bytes"] == n["target_bytes"] > 7 * MiB for n in job["nodes"])
+    origin = world.origin_bytes(layer["digest"])
+    fetched = [n.status()["fetch"] for n in started]
+    peers = sum(f["bytes_from_peers"] for f in fetched)
+    region = sum(f["bytes_from_region"] for f in fetched)
+    print(f"preheat over the swarm: layer {layer['size']} B, origin served {origin} B in all, "
+          f"nodes took {peers} B from peers and {region} B from the region")
+    assert origin <= 1.05 * layer["size"]  # one copy for the four nodes (and the torrent's fill)
+    assert peers > 0

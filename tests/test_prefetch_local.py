@@ -164,10 +164,20 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_region_mode_checks_its_node_list_then_says_it_is_not_here_yet(tmp_path):
+def test_region_mode_checks_its_node_list_then_asks_the_region(tmp_path):
+    """(The preheat API itself: tests/test_preheat.py.) An unreachable region is one line, exit 1."""
     nodes = tmp_path / "nodes"
     nodes.write_text("gpu[001-004]  # rack 1\ncpu7\n")
+    token = tmp_path / "token"
+    token.write_text("secret\n")
     for flags in (["--nodelist", "gpu[001-128,200],cpu7"], ["--nodes", "a,b"], ["--nodes-file", str(nodes)]):
-        proc = shoal("prefetch", "127.0.0.1:1/x:y", "--region", "http://127.0.0.1:1", *flags, "--wait")
-        assert proc.returncode == 1 and "the region preheat API (--region) is not in this version" in proc.stderr
+        proc = shoal("prefetch", "127.0.0.1:1/x:y", "--region", "http://127.0.0.1:1", "--plain-http",
+                     "--token-file", str(token), *flags, "--wait")
+        assert proc.returncode == 1 and "region http://127.0.0.1:1: ConnectionError" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+    proc = shoal("prefetch", "127.0.0.1:1/x:y", "--region", "http://127.0.0.1:1", "--token-file", str(token),
+                 "--nodes", "a")
+    assert proc.returncode == 2 and "plain HTTP only with --plain-http" in proc.stderr
+    proc = shoal("prefetch", "127.0.0.1:1/x:y", "--region", "https://127.0.0.1:1", "--nodes", "a")
+    assert proc.returncode == 2 and "needs the preheat API token: --token-file FILE or $SHOAL_PREFETCH_TOKEN_FILE" \
+        in proc.stderr

@@ -614,7 +614,8 @@ def test_shoal_region_command(registry, tmp_path):
         tls = tmp_path / "store dir" / "tls"
         ca = str(tls / "ca.pem")
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in tls.iterdir() if p.name.endswith((".key", "token"))} \
-            == {"ca.key": "0o600", "server.key": "0o600", "swarm-ca.key": "0o600", "node-token": "0o600"}
+            == {"ca.key": "0o600", "server.key": "0o600", "swarm-ca.key": "0o600", "node-token": "0o600",
+                "prefetch-token": "0o600"}
         assert oct(tls.stat().st_mode & 0o777) == "0o700"
         url = f"https://127.0.0.1:{port}"
         r = requests.get(f"{url}/v2/lib/cli/blobs/{digest}", headers={"Range": "bytes=0-99"}, timeout=30, verify=ca)

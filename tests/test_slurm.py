@@ -180,3 +180,97 @@ def test_prolog_slurmctld_hands_the_job_nodelist_to_shoal_and_keeps_its_policy(t
     env["SLURM_JOB_NODELIST"] = "gpu[001-"
     subprocess.run([str(REPO / "deploy/slurm/prolog-slurmctld.sh")], env=env, check=False, timeout=120)
     assert "rc=2" in (tmp_path / "log").read_text().splitlines()[-1]
+
+
+def test_prolog_slurmctld_warms_the_jobs_nodes_through_the_region_before_the_job_starts(registry, tmp_path_factory):
+    """The controller's hook for real: slurmctld runs deploy/slurm/prolog-slurmctld.sh once
+    for a two-node job; it calls `shoal prefetch --region URL --nodelist "$SLURM_JOB_NODELIST"
+    --wait`; the region hands the warm-up to the two registered `shoal node`s (n1 and n2,
+    each with its own root and containerd). The job's batch script (on its first node, with
+    both nodes' roots on this machine) measures both nodes before anything starts, then
+    does the lazy start on each: nothing from the origin, and the origin served one copy."""
+    reason = slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    import requests
+
+    from snapshotter.embedded import stop_process
+    from tests.services import shoal_node_with_containerd, start_region, wait_for
+
+    _, ref, manifest = lazy_app_image(registry, tmp_path_factory.mktemp("slurm fleet image"), "slurm/fleet", CMD,
+                                      salt="fleet")
+    work = Path(tempfile.mkdtemp(prefix="shoal-slurmr-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    region, url, ca = start_region(registry.url, work / "region", work / "region.log",
+                                   config="[prefetch]\nnode_timeout = 10\n")
+    tls = work / "region" / "tls"
+    try:
+        def node_config(name: str) -> str:
+            return (f'[fetch]\nregion_url = "{url}"\nregion_ca = "{ca}"\nregion_token_file = "{tls / "node-token"}"\n'
+                    f'[node]\nname = "{name}"\n')
+
+        with shoal_node_with_containerd("shoal-sr1-", node_config("n1")) as n1, \
+                shoal_node_with_containerd("shoal-sr2-", node_config("n2")) as n2:
+            token = (tls / "prefetch-token").read_text().strip()
+
+            def registered() -> bool:
+                nodes = requests.get(f"{url}/prefetch/v1/nodes", headers={"X-Shoal-Prefetch-Token": token},
+                                     verify=ca, timeout=10).json()["nodes"]
+                return {n["name"] for n in nodes if n["state"] == "up"} >= {"n1", "n2"}
+
+            wait_for(registered, "n1 and n2 registered with the region")
+            wrapper = work / "prolog-slurmctld"
+            wrapper.write_text(f"#!/bin/sh\nSHOAL_PROLOG_CONFIG={work}/prolog.conf exec "
+                               f"{REPO / 'deploy/slurm/prolog-slurmctld.sh'}\n")
+            wrapper.chmod(0o755)
+            settings = {"SHOAL": SHOAL, "SHOAL_REGION_URL": url, "SHOAL_REGION_CA": ca,
+                        "SHOAL_PREFETCH_TOKEN_FILE": str(tls / "prefetch-token"), "SHOAL_PREFETCH_MODE": "full",
+                        "SHOAL_PREFETCH_TIMEOUT": "180", "SHOAL_PROLOG_LOG": str(work / "prolog.log")}
+            (work / "prolog.conf").write_text(f"export PYTHONPATH={shlex.quote(str(REPO))}\n" + "".join(
+                f"{k}={shlex.quote(v)}\n" for k, v in settings.items()))
+            q = shlex.quote
+            run = " ".join(q(a) for a in CMD)
+            lines = ["#!/bin/sh", "set -e"]
+            for name, (node, _) in (("n1", n1), ("n2", n2)):
+                lines.append(f"{q(SHOAL)} prefetch {q(ref)} --root {q(str(node.root))} --mode full --node-name {name} "
+                             f"--json > {q(str(work / f'warm-{name}.json'))}")
+            lines.append(f"cp {q(str(registry.log_path))} {q(str(work / 'registry-start.log'))}")
+            for name, (_, ctd) in (("n1", n1), ("n2", n2)):
+                lines.append(f"{q(SHOAL)} pull {q(ref)} --address {q(ctd.address)} --namespace shoal-test --json "
+                             f"> {q(str(work / f'pull-{name}.json'))}")
+                lines.append(f"{CTR_BIN} --address {q(ctd.address)} --namespace shoal-test run --rm --snapshotter "
+                             f"shoal {q(ref)} job-{name} {run} > {q(str(work / f'ctr-{name}.out'))}")
+            lines.append('echo "step done on $SLURM_JOB_NODELIST"')
+            step = work / "step.sh"
+            step.write_text("\n".join(lines) + "\n")
+            step.chmod(0o755)
+            start = registry_log(registry.log_path)
+            slurm = start_slurm(work / "slurm", ["n1", "n2"], extra=f"PrologSlurmctld={wrapper}")
+            try:
+                job = slurm.sbatch("-N2", f"--comment=shoal:{ref}", f"--chdir={work}", f"--output={work}/job.out",
+                                   str(step))
+                info = slurm.wait_job(job)
+                out = (work / "job.out").read_text(errors="replace") if (work / "job.out").exists() else ""
+                assert info["JobState"] == "COMPLETED", f"{info}\n{out}\n{slurm.logs()}"
+            finally:
+                slurm.stop()
+            assert info["NodeList"] == "n[1-2]" and "step done on n[1-2]" in out
+            (line,) = [ln for ln in (work / "prolog.log").read_text().splitlines() if f"job={job} " in ln]
+            assert f"shoal-prolog-slurmctld job={job} nodes=n[1-2] image={ref} state=ready" in line
+            assert "2 of 2 nodes warm" in line
+            targets = []
+            for name in ("n1", "n2"):  # warm before the job's script started: each node's own measure
+                (n,) = json.loads((work / f"warm-{name}.json").read_text())["nodes"]
+                assert n["state"] == "warm" and n["warm_bytes"] == n["target_bytes"] > 1_000_000, n
+                targets.append(n["target_bytes"])
+                assert [ly["kind"] for ly in json.loads((work / f"pull-{name}.json").read_text())["layers"]] == \
+                    ["lazy"] * 3
+                assert "changed by the top layer" in (work / f"ctr-{name}.out").read_text()
+            before_step, end = registry_log(work / "registry-start.log"), registry_log(registry.log_path)
+            assert layer_bytes(end[len(before_step):], manifest) == 0  # the starts read nothing from the origin
+            served = layer_bytes(before_step[len(start):], manifest)
+            assert targets[0] <= served <= 1.05 * targets[0]  # one origin copy for both nodes
+    finally:
+        stop_process(region)
+        region.stdout.close()
+        shutil.rmtree(work, ignore_errors=True)

@@ -40,6 +40,11 @@ Every option, with its default (an empty file, or none, gives these):
     [nodes]
     token_file = ""                # the secret nodes present to /p2p/v1/ (made at first start); "" = <tls_dir>/node-token
 
+    [prefetch]
+    token_file = ""                # the preheat API's secret (/prefetch/v1/jobs; made at first start);
+                                   # "" = <tls_dir>/prefetch-token
+    node_timeout = 30.0            # seconds without a word from a registered node before it is down
+
 Every value is checked at start (type and range; shoal/config.py): a bad one stops the
 region with one line naming the key. An unknown key is a warning naming it.
 """
@@ -90,6 +95,12 @@ class NodesConfig:
 
 
 @dataclass
+class PrefetchConfig:
+    token_file: str = ""
+    node_timeout: float = field(default=30.0, metadata=limits(min=1, max=3600))
+
+
+@dataclass
 class RegionConfig:
     listen: str = field(default="127.0.0.1:5080", metadata=limits(check=host_port_check))
     origin: str = field(default="", metadata=limits(check=url_check(path=False)))
@@ -109,6 +120,8 @@ class RegionConfig:
     s3: S3Config = field(default_factory=S3Config)
     auth: AuthConfig = field(default_factory=AuthConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
+    # the preheat API and the nodes' work connection at /prefetch/v1/ (region/preheat.py, docs/prefetch.md)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     # The swarm's tracker and torrent metadata at /p2p/v1/ (p2p/, docs/p2p.md); metadata is
     # served only to clients the origin would serve the blob to.
     swarm: bool = True
@@ -142,6 +155,10 @@ class RegionConfig:
     @property
     def token_path(self) -> str:
         return self.nodes.token_file or str(Path(self.state_dir) / "node-token")
+
+    @property
+    def prefetch_token_path(self) -> str:
+        return self.prefetch.token_file or str(Path(self.state_dir) / "prefetch-token")
 
 
 def load_config(path: str | None = None, **overrides: object) -> RegionConfig:

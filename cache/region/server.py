@@ -429,7 +429,7 @@ class RegionCache:
     # --- the application ------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=8 << 20)  # (request bodies: a preheat job's node list, region/preheat.py)
         app.router.add_route("GET", "/-/status", self._status)
         app.router.add_route("GET", "/-/healthy", self._healthy)
         app.router.add_route("GET", "/healthz", self._healthy)  # liveness: the server answers

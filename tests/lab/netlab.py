@@ -688,6 +688,7 @@ def start_nodes(lab: Lab, hosts: list[Host], workdir: Path, region: LabRegion, r
         config = {
             "fetch": {**region.fetch_config(), "plain_http_hosts": [registry.host], **(fetch or {})},
             "swarm": {"enabled": True, "listen": f"{host.ip}:6881", "advertise_ip": host.ip, **(swarm or {})},
+            "node": {"name": host.ns},  # (one host name for all: the namespaces share the UTS one)
             **(tables(d) if tables else {}),
         }
         metrics_address = ""
