@@ -24,10 +24,10 @@ that sent them, or it does not parse) is answered {"refused": TEXT, "digest_mism
 bool}, nothing mounted; FSClient.load raises DigestMismatch or FormatError for it.
 ("store" keeps its name on the wire: a node talks to a server started by the one before.)
 
-Threads: localrpc.Server answers each connection on a thread of its own. The file
-system's state belongs to its trio event loop, so every op that touches it runs there
-(trio.from_thread with the loop's token); what takes long (parsing a TOC, waiting for a
-proof, a swarm download, dropping cached pages) stays on the connection's thread.
+Threads: localrpc.Server answers each connection on a thread of its own. Every op that
+touches the file system's layer tables runs under its `state` lock (LayerFS); what takes
+long (parsing a TOC, waiting for a proof, a swarm download, dropping cached pages,
+notifying the kernel of an unloaded layer) runs outside it.
 Errors: an op raises ShoalError, OSError, ValueError or KeyError, logged here and
 answered {"ok": false, "error"} by the server; an unknown op is a ShoalError.
 """
@@ -39,8 +39,6 @@ import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import trio
 
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 
@@ -59,8 +57,8 @@ class NodeControl:
     """The ops of the node's control socket over one layer file system and, when the
     node's fetch chain has a swarm, the swarm's ops (`swarm`: p2p/control.Control.handle)."""
 
-    def __init__(self, fs: LayerFS, token: trio.lowlevel.TrioToken, swarm: Ops | None = None) -> None:
-        self.fs, self._token, self.swarm = fs, token, swarm
+    def __init__(self, fs: LayerFS, swarm: Ops | None = None) -> None:
+        self.fs, self.swarm = fs, swarm
         self.ops: dict[str, Ops] = {
             "ping": self.ping, "load": self.load, "unload": self.unload, "status": self.status,
             "profile": self.profile, "prefetch": self.prefetch, "warmth": self.warmth, "prove": self.prove,
@@ -79,8 +77,9 @@ class NodeControl:
             raise
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) on the file system's event loop (the only accessor of its state)."""
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        """fn(*args) under the file system's state lock."""
+        with self.fs.state:
+            return fn(*args)
 
     # --- the layer file system's ops
 
@@ -103,7 +102,7 @@ class NodeControl:
         return {"number": layer.number}
 
     def unload(self, req: dict) -> dict:
-        return {"unloaded": self._on_loop(self.fs.unload, str(req["id"]))}
+        return {"unloaded": self.fs.unload(str(req["id"]))}  # (it notifies the kernel: not under the lock)
 
     def status(self, req: dict) -> dict:
         return self._on_loop(lambda: {**self.fs.status(), "store": self.fs.data_path_statistics()})
