@@ -3,7 +3,7 @@
 request per line, one JSON answer per line (shoal/localrpc.py: `call` and `Server`);
 snapshotter/fs/client.py FSClient has a typed method for every op:
 
-    {"op": "ping"}                                    -> {"pid"[, "listen_port" of the swarm]}
+    {"op": "ping"}                                    -> {"pid", "version"[, "listen_port" of the swarm]}
     {"op": "load", "id": HEX}                         -> {"number"} | {"refused", "digest_mismatch"}
     {"op": "unload", "id": HEX}                       -> {"unloaded": bool}
     {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
@@ -34,6 +34,7 @@ answered {"ok": false, "error"} by the server; an unknown op is a ShoalError.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -49,6 +50,19 @@ log = logging.getLogger("shoal.fs")
 
 SOCKET_NAME = "fs.sock"  # ROOT/fs.sock
 SWARM_OPS = ("stats", "download")  # served by the swarm's Control (p2p/control.py)
+
+
+def software_version() -> str:
+    """The version a node compares with its layer file system's (an upgrade hands the
+    FUSE session over to a server of the node's version): $SHOAL_VERSION when set (what
+    a package's wrapper or a test sets), else the installed package's."""
+    env = os.environ.get("SHOAL_VERSION")
+    if env:
+        return env
+    try:
+        return importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 Ops = Callable[[dict], dict]
 
@@ -84,7 +98,7 @@ class NodeControl:
     # --- the layer file system's ops
 
     def ping(self, req: dict) -> dict:
-        out = {"pid": os.getpid()}
+        out: dict = {"pid": os.getpid(), "version": software_version()}
         if self.swarm is not None:
             out.update(self.swarm({"op": "ping"}))
         return out

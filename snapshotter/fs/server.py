@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -79,6 +80,7 @@ from shoal.errors import FormatError, ShoalError, TransportError
 from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir, replace_file
 from shoal.localrpc import Server as ControlServer
 from snapshotter.assemble import DataPath, make_data_path
+from snapshotter.fs import holder
 from snapshotter.fs import protocol as p
 from snapshotter.fs.control import SOCKET_NAME, NodeControl
 from snapshotter.fs.proof import ProofError, prove_blob
@@ -592,7 +594,10 @@ class LayerFS:
             raise FUSEError(errno.EROFS)
         if layer.view.stat(node).type != "reg":
             raise FUSEError(errno.EINVAL)
-        return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE)  # fh: the inode (what READ needs)
+        # fh: the inode (what READ needs). No FLUSH at close: a read-only file has nothing to
+        # flush, and a close must not wait for a server (a process forked to become the next
+        # server closes the FUSE files it inherited before it serves)
+        return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
     def read(self, u: int, fh: int, off: int, size: int) -> list[bytes] | None:
         layer, node = self._resolve(fh)
@@ -701,11 +706,47 @@ def clear_dead_mount(mnt: str) -> None:
         log.warning("detached the mount left at %s", mnt)
 
 
+def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
+    """The FUSE session to serve: the one the descriptor holder keeps for `mnt`, taken
+    over (no INIT; Session.serve writes NOTIFY_RESEND first), or a new mount whose
+    descriptor goes to the holder once INIT is answered. Nothing here touches `mnt` while
+    a held session may be waiting for a server (a stat of it would wait for us)."""
+    held = holder.get(root)
+    if held is not None:
+        fd, state = held
+        if state.get("mnt") == mnt and any(point == mnt for point, _ in mounts()):
+            try:
+                negotiated = p.Negotiated.from_json(str(state.get("negotiated")).encode())
+            except p.ProtocolError as e:
+                log.error("the held FUSE session of %s: %s: mounting anew", mnt, e)
+            else:
+                log.info("taking over the FUSE session of %s from the descriptor holder", mnt)
+                return Session(fd, negotiated)
+        os.close(fd)
+        holder.drop(root)  # a session of a mount that is gone: no one is served by it
+    clear_dead_mount(mnt)
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
+    try:
+        holder.ensure(root, log_path)  # before the mount: the descriptor goes to it right after INIT
+    except (OSError, ShoalError) as e:
+        log.error("no descriptor holder (a crash of this process will end the FUSE session): %s", e)
+    session = Session.mount(mnt)
+
+    def keep(negotiated: p.Negotiated) -> None:
+        try:
+            pid = holder.put(root, session.fd, {"mnt": mnt, "negotiated": negotiated.to_json().decode()}, log_path)
+            log.info("the FUSE session of %s is held by pid %d (it survives this process)", mnt, pid)
+        except (OSError, ShoalError) as e:
+            log.error("cannot hand the FUSE session to the descriptor holder (a crash of this process "
+                      "will end it): %s", e)
+
+    session.on_init = keep
+    return session
+
+
 def run(root: str, config: dict) -> int:
     os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     mnt = os.path.join(root, "mnt")
-    clear_dead_mount(mnt)
-    os.makedirs(mnt, mode=0o700, exist_ok=True)
     private_dir(os.path.join(root, "layers"))
     fs = build_fs(root, config)
     for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
@@ -715,29 +756,50 @@ def run(root: str, config: dict) -> int:
             fs.load(layer_id)
         except (ShoalError, OSError, ValueError, KeyError) as e:
             log.error("cannot restore layer %s: %s", layer_id, e)
-    session = fs.session = Session.mount(mnt)
-    readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
-    session.on_init = lambda _: set_readahead(mnt, readahead_kb)
+    logs = os.path.join(root, "logs")
+    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None)
+    if not session.took_over:
+        readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
+        keep = session.on_init
+
+        def on_init(negotiated: p.Negotiated) -> None:
+            set_readahead(mnt, readahead_kb)
+            if keep is not None:
+                keep(negotiated)
+
+        session.on_init = on_init
     control = NodeControl(fs, fs.data_path.swarm_ops if fs.data_path else None)
     server = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
-    stop = threading.Event()
+    stop = {"how": ""}
+    stopped = threading.Event()
 
-    def _term(*_):
-        stop.set()
+    def _term(signum, _frame):
+        # SIGTERM, SIGINT: stop serving (unmount; the holder lets the session go).
+        # SIGUSR1: hand over (an upgrade): exit, leaving the session to the holder and
+        # the next server; what this one has not answered, the kernel sends that one again.
+        stop["how"] = "handover" if signum == signal.SIGUSR1 else "stop"
+        stopped.set()
 
-    signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, _term)
     session.serve(fs.handle)
-    log.info("serving %d layers at %s (pid %d)", len(fs.layers), mnt, os.getpid())
+    log.info("serving %d layers at %s (pid %d%s)", len(fs.layers), mnt, os.getpid(),
+             ", taken over" if session.took_over else "")
     try:
-        while not stop.wait(0.5) and not session.wait(0):
+        while not stopped.wait(0.5) and not session.wait(0):
             pass
     finally:
         server.close()
-        unmount(mnt)
-        log.info("unmounted %s", mnt)
+        if stop["how"] == "handover":
+            log.info("handing the FUSE session of %s over to the next server", mnt)
+        else:
+            unmount(mnt)
+            holder.drop(root)
+            log.info("unmounted %s (%s)", mnt, "connection ended" if session.wait(0) else "told to stop")
         if fs.data_path is not None:
             fs.data_path.close(10.0)
+    if stop["how"] == "handover":
+        os._exit(0)  # (the reader threads wait in read(2): they must not read on)
     return 0
 
 
@@ -747,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", default="{}", help="node configuration, as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shoal-fs %(levelname)s %(message)s", stream=sys.stderr)
+    faulthandler.register(signal.SIGUSR2)  # a developer's aid: every thread's stack to the log
     profile = os.environ.get("SHOAL_FS_PROFILE")  # a developer's aid: cProfile output path
     try:
         if profile:
