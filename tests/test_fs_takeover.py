@@ -5,10 +5,15 @@ failed read (real registry, real FUSE mount, shoal's own processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,8 +26,8 @@ from snapshotter.fs import holder
 from snapshotter.fs.client import FSClient
 from snapshotter.remote import RemoteLayers
 from tests.lab.fromdir import ImageConfig, build_image
-from tests.rootfs import busybox_layer
-from tests.services import wait_for
+from tests.rootfs import busybox_layer, lazy_app_image
+from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, wait_for
 from tests.test_lazy_fs import layer_labels, prepare_tree
 
 pytestmark = [pytest.mark.registry]
@@ -153,3 +158,170 @@ def test_kill_9_of_the_server_and_an_upgrade_lose_no_read(lazy_image, module_reg
           + ", ".join(f"{k} {v:.3f}s" for k, v in pauses.items()))
     upgraded.fs.stop()
     wait_for(lambda: holder.ping(str(node_root)) is None, "the holder's exit at the stop", timeout=30)
+
+
+# --- test 1 of issue 15: containerd, a container reading in a loop ------------------------------
+
+LOOP = ("/bin/sh", "-c", ("while true; do if sha256sum /bin/busybox >> /out/reads; then :; "
+                          "else echo FAILED >> /out/reads; fi; done"))
+
+
+class Lines:
+    """Follows the container's output file from the host: every line, the time it came."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lines: list[str] = []
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        at = 0
+        while not self.stop.is_set():
+            with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+                f.seek(at)
+                data = f.read()
+                complete = data[:data.rfind(b"\n") + 1]
+                at += len(complete)
+                now = time.monotonic()
+                for line in complete.decode(errors="replace").splitlines():
+                    self.lines.append(line)
+                    self.times.append(now)
+            time.sleep(0.01)
+
+    def more(self, n: int, timeout: float = 120.0) -> None:
+        target = len(self.lines) + n
+        wait_for(lambda: len(self.lines) >= target, f"{n} more reads of the container", timeout=timeout)
+
+    def longest_gap(self, since: float) -> float:
+        times = [t for t in self.times if t >= since]
+        before = [t for t in self.times if t < since][-1:]
+        times = before + times
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+class PageDropper:
+    """Drops the kernel's cached pages of one file of a lazy mount, again and again
+    (fadvise on a descriptor held open: no request to the file system), so that the
+    container's every read of it reaches the layer file system."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        os.close(self.fd)
+
+
+def _status(root: Path) -> dict:
+    proc = subprocess.run([SHOAL, "status", "--root", str(root), "--json"], capture_output=True, text=True,
+                          check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _fs_pid(root: Path) -> int | None:
+    try:
+        return int(_status(root)["fs_server"]["pid"])
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _new_container_works(ctd, lazy: str, name: str) -> None:
+    """A new container from the lazy image runs (containerd reconnects to a restarted
+    snapshotter with a back-off: retried while it says unavailable)."""
+    for _ in range(80):
+        proc = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, name, "/bin/cat", "/etc/motd", check=False)
+        if proc.returncode == 0 or "unavailable" not in proc.stderr:
+            break
+        time.sleep(0.25)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "changed by the top layer\n"
+
+
+@pytest.mark.containerd
+def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_server(
+        module_registry, tmp_path_factory, monkeypatch):
+    """Issue 15, test 1: a container reads a lazy file in a loop (its cached pages dropped
+    all the time, so every read reaches shoal-fs); kill -9 of shoal-fs, an upgrade (the
+    node restarted with another version) and kill -9 of both the node and shoal-fs: the
+    reads go on after a pause, none fails, every hash is right, and new containers run."""
+    monkeypatch.delenv("SHOAL_VERSION", raising=False)
+    _, lazy, manifest = lazy_app_image(module_registry, tmp_path_factory.mktemp("takeover app"), "takeover/app",
+                                       ["/bin/true"])
+    out_dir = Path(tempfile.mkdtemp(prefix="shoal-takeover-out-"))
+    nodes: list[NodeProcess] = []
+    container = "takeover-loop"
+    with shoal_node_with_containerd("shoal-takeover-") as (node, ctd):
+        root = node.root
+        pulled = subprocess.run([SHOAL, "pull", lazy, "--address", ctd.address, "--namespace", "shoal-test"],
+                                capture_output=True, text=True, check=False)
+        assert pulled.returncode == 0, pulled.stderr
+        lines = Lines(out_dir / "reads")
+        dropper = None
+        try:
+            ctd.ctr("run", "-d", "--snapshotter", "shoal", "--mount",
+                    f"type=bind,src={out_dir},dst=/out,options=rbind:rw", lazy, container, *LOOP)
+            lines.thread.start()
+            lines.more(3)
+            busybox = root / "mnt" / manifest["layers"][0]["digest"].split(":")[1] / "bin/busybox"
+            expected = hashlib.sha256(busybox.read_bytes()).hexdigest()
+            dropper = PageDropper(busybox)
+            dropper.thread.start()
+            lines.more(5)
+            pauses: dict[str, float] = {}
+
+            def after(event: str, since: float, old_pid: int | None) -> None:
+                wait_for(lambda: (pid := _fs_pid(root)) is not None and pid != old_pid,
+                         f"a new layer file system server after {event}", timeout=120, interval=0.2)
+                lines.more(10)
+                pauses[event] = lines.longest_gap(since)
+                _new_container_works(ctd, lazy, f"takeover-new-{len(pauses)}")
+
+            # 1. kill -9 of shoal-fs: the node restarts it, the new one takes the session over
+            pid = _fs_pid(root)
+            assert pid is not None
+            since = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            after("kill -9 of shoal-fs", since, pid)
+            assert "does not answer: restarting it" in node.log()
+            # 2. an upgrade: the node restarted with another version hands the session over
+            pid = _fs_pid(root)
+            node.stop()
+            monkeypatch.setenv("SHOAL_VERSION", "takeover-upgrade")
+            since = time.monotonic()
+            nodes.append(NodeProcess(root, node.socket, node.log_path, ("--config", str(root.parent / "node.toml"))))
+            after("upgrade", since, pid)
+            assert _status(root)["fs_server"]["pid"] != pid
+            assert "handing its session over" in node.log()
+            # 3. kill -9 of both shoal node and shoal-fs; a node started after takes over
+            pid = _fs_pid(root)
+            nodes[-1].kill()
+            since = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            nodes.append(NodeProcess(root, node.socket, node.log_path, ("--config", str(root.parent / "node.toml"))))
+            after("kill -9 of node and shoal-fs", since, pid)
+            fs_log = (root / "logs/fs.log").read_text()
+            assert fs_log.count("taking over the FUSE session") == 3
+        finally:
+            if dropper is not None:
+                dropper.close()
+            ctd.ctr("task", "kill", "-s", "KILL", container, check=False)
+            lines.stop.set()
+            lines.thread.join(10)
+            for n in nodes:
+                n.stop()
+            ctd.ctr("container", "rm", container, check=False)
+    failed = [line for line in lines.lines if not line.startswith(f"{expected}  ")]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    assert failed == [], failed[:5]
+    print(f"\ncontainer reads: {len(lines.lines)}, failed: {len(failed)}; longest pause: "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in pauses.items()))

@@ -15,6 +15,7 @@ import time
 from shoal import localrpc
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
+from snapshotter.fs import holder
 from snapshotter.fs.control import SOCKET_NAME, software_version
 
 log = logging.getLogger("shoal.fs")
@@ -220,6 +221,7 @@ class FSClient:
         if any, restarts nothing after this)."""
         self._stopped = True
         if not self.running() or self.pid is None:
+            holder.drop(self.root)  # a session no server serves (one killed) ends too
             return
         os.kill(self.pid, 15)
         deadline = time.monotonic() + timeout
