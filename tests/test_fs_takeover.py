@@ -309,6 +309,10 @@ def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_serv
             os.kill(pid, signal.SIGKILL)
             nodes.append(NodeProcess(root, node.socket, node.log_path, ("--config", str(root.parent / "node.toml"))))
             after("kill -9 of node and shoal-fs", since, pid)
+            # the container's reads did reach the layer file system (not the page cache alone)
+            first_layer = manifest["layers"][0]["digest"]
+            reads = sum(ly["reads"] for ly in _status(root)["lazy_layers"] if ly["digest"] == first_layer)
+            assert reads >= 10, reads
             fs_log = (root / "logs/fs.log").read_text()
             assert fs_log.count("taking over the FUSE session") == 3
         finally:
