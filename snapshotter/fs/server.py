@@ -77,7 +77,7 @@ from prefetch.trace import AccessTrace, LayerTrace
 from prefetch.warmup import WarmLoader, Warmup
 from shoal.digest import check_digest
 from shoal.errors import FormatError, ShoalError, TransportError
-from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir, replace_file
+from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir
 from shoal.localrpc import Server as ControlServer
 from snapshotter.assemble import DataPath, make_data_path
 from snapshotter.fs import holder
@@ -208,8 +208,8 @@ class LayerFS:
                     number = max(1, int(f.read().strip()))
             except (FileNotFoundError, ValueError):
                 number = 1 + max(_numbers_in(os.path.join(self.root, "layers")), default=0)
-            replace_file(counter, f"{number + 1}\n".encode())
-            replace_file(path, f"{number}\n".encode())
+            _write_private(counter, f"{number + 1}\n".encode())
+            _write_private(path, f"{number}\n".encode())
             return number
 
     # --- layers -------------------------------------------------------------------------
@@ -243,10 +243,7 @@ class LayerFS:
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
         if fetched is not None:  # kept once it serves: a TOC that is refused leaves nothing
-            tmp = os.path.join(d, f".toc.json.{threading.get_native_id()}")
-            with open(tmp, "wb") as f:  # (the process's umask keeps it root's alone)
-                f.write(fetched)
-            os.rename(tmp, os.path.join(d, "toc.json"))
+            _write_private(os.path.join(d, "toc.json"), fetched)
         return blob, meta.get("image", ""), view, loader
 
     def fetch_toc(self, blob: BlobRef, where: object) -> bytes:
@@ -360,10 +357,7 @@ class LayerFS:
     def mark_bad(self, layer_id: str, reason: str) -> None:
         """Refuse every read of the layer from now on, and after restarts."""
         layer = self.layers[layer_id]
-        path = os.path.join(layer_dir(self.root, layer_id), BAD_FILE)
-        with open(path + ".tmp", "w") as f:
-            f.write(reason + "\n")
-        os.rename(path + ".tmp", path)
+        _write_private(os.path.join(layer_dir(self.root, layer_id), BAD_FILE), (reason + "\n").encode())
         if not layer.bad:
             log.error("layer %s of %s is bad, its reads fail from now on: %s", layer.blob.digest,
                       layer.image or "?", reason)
@@ -639,6 +633,15 @@ class LayerFS:
         layer.errors += 1
         log.error("read %s of %s failed", node.path, layer.blob.digest, exc_info=e)
         return p.reply_error(u, errno.EIO)
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Write a file under ROOT atomically (a temporary file renamed over it), 0600."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.rename(tmp, path)
 
 
 def _ns(seconds: float) -> int:
