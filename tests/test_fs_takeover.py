@@ -6,6 +6,7 @@ failed read (real registry, real FUSE mount, shoal's own processes)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -158,6 +159,33 @@ def test_kill_9_of_the_server_and_an_upgrade_lose_no_read(lazy_image, module_reg
           + ", ".join(f"{k} {v:.3f}s" for k, v in pauses.items()))
     upgraded.fs.stop()
     wait_for(lambda: holder.ping(str(node_root)) is None, "the holder's exit at the stop", timeout=30)
+
+
+def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):
+    """kill -9 of the holder and of shoal-fs: nothing keeps the session, the mount is
+    dead (ENOTCONN). The next server detaches it and mounts anew (no FileExistsError on
+    ROOT/mnt), with the layers it served before."""
+    ref, manifest, tree = lazy_image
+    node_root, clients = node_root
+    layers = RemoteLayers(str(node_root))
+    clients.append(layers.fs)
+    lazy = Path(layers.prepare("d", "", layer_labels(ref, manifest["layers"][0])).path)
+    assert (lazy / "bin/busybox").read_bytes() == (tree / "bin/busybox").read_bytes()
+    wait_for(lambda: (holder.ping(str(node_root)) or {}).get("holding"), "the holder", timeout=10)
+    os.kill(int(holder.ping(str(node_root))["pid"]), signal.SIGKILL)
+    os.kill(layers.fs.ping()["pid"], signal.SIGKILL)
+    wait_for(lambda: _enotconn(lazy), "the dead mount", timeout=10)
+    layers.fs.ensure_running()
+    assert (lazy / "bin/busybox").read_bytes() == (tree / "bin/busybox").read_bytes()
+    assert "detached the mount left at" in (node_root / "logs/fs.log").read_text()
+
+
+def _enotconn(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
 
 
 # --- test 1 of issue 15: containerd, a container reading in a loop ------------------------------
