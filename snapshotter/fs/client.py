@@ -76,7 +76,11 @@ class FSClient:
         when none can start now."""
         with self._start_lock:
             self._stopped = False
-            if self.running() and self.version != software_version():
+            if self.running() and not self.version:
+                log.warning("layer file system server (pid %s) is from before session takeover: it cannot hand "
+                            "its session over and keeps running (stop it when no container uses its layers)",
+                            self.pid)
+            elif self.running() and self.version != software_version():
                 self._hand_over(timeout)
             self._ensure_running(timeout)
             if not self._watching:
