@@ -357,3 +357,54 @@ def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_serv
     assert failed == [], failed[:5]
     print(f"\ncontainer reads: {len(lines.lines)}, failed: {len(failed)}; longest pause: "
           + ", ".join(f"{k} {v:.2f}s" for k, v in pauses.items()))
+
+
+def test_the_holder_hands_back_the_same_open_file_to_its_owner_alone(tmp_path):
+    """put/get/drop over ROOT/fs-holder.sock: the descriptor handed back is the same open
+    file (not a new open); another user cannot reach the holder; drop ends it."""
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    holder.start(str(root))
+    pid = int(holder.ping(str(root))["pid"])
+    r, w = os.pipe()
+    try:
+        assert holder.get(str(root)) is None  # holds nothing yet
+        holder.put(str(root), w, {"mnt": "/x", "negotiated": "{}"})
+        os.close(w)
+        w = -1
+        got = holder.get(str(root))
+        assert got is not None and got[1] == {"mnt": "/x", "negotiated": "{}"}
+        os.write(got[0], b"through the held descriptor")  # the pipe's write end, still open
+        os.close(got[0])
+        assert os.read(r, 100) == b"through the held descriptor"
+        assert oct(os.stat(root / holder.SOCKET_NAME).st_mode & 0o777) == "0o600"
+        child = os.fork()
+        if child == 0:  # another user: refused
+            try:
+                os.chmod(root, 0o755)  # (only the socket's own permissions and the peer check stay)
+                os.setgid(65534)
+                os.setuid(65534)
+                code = 0 if holder.ping(str(root)) is None and holder.get(str(root)) is None else 1
+            except BaseException:  # noqa: BLE001 - the exit code says it
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        os.chmod(root, 0o700)
+        assert os.waitstatus_to_exitcode(status) == 0
+        holder.drop(str(root))
+        wait_for(lambda: not _running(pid), "the holder's exit", timeout=10)
+        assert os.read(r, 100) == b""  # every write end closed: the holder's copy went with it
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        if _running(pid):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _running(pid: int) -> bool:
+    """Process `pid` runs (a zombie, exited and not reaped by this process, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
