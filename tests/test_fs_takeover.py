@@ -306,6 +306,10 @@ def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_serv
             dropper.thread.start()
             lines.more(5)
             pauses: dict[str, float] = {}
+            held = _status(root)["fs_server"]["session_holder"]
+            assert held is not None
+            text = subprocess.run([SHOAL, "status", "--root", str(root)], capture_output=True, text=True, check=False)
+            assert f"its FUSE session held by pid {held}" in text.stdout
 
             def after(event: str, since: float, old_pid: int | None) -> None:
                 wait_for(lambda: (pid := _fs_pid(root)) is not None and pid != old_pid,
@@ -343,6 +347,7 @@ def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_serv
             assert reads >= 10, reads
             fs_log = (root / "logs/fs.log").read_text()
             assert fs_log.count("taking over the FUSE session") == 3
+            assert _status(root)["fs_server"]["session_holder"] == held  # one holder through it all
         finally:
             if dropper is not None:
                 dropper.close()
