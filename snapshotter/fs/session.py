@@ -9,7 +9,7 @@ sans-I/O half). A `Session` owns one descriptor of a /dev/fuse connection:
   answered (the descriptor comes from the holder, snapshotter/fs/holder.py); `serve`
   then writes FUSE_NOTIFY_RESEND first, so the requests that process had read and not
   answered come again (on a kernel without it, those requests stay unanswered: their
-  callers wait until the connection ends; none are lost in the protocol's sense).
+  callers wait until the connection ends; the requests after the takeover are served).
 
 Threads: `serve(handler)` starts `threads` reader threads, each doing blocking read(2)s
 of /dev/fuse (the kernel hands each request to one reader) and calling
