@@ -22,7 +22,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def format_status(s: dict) -> str:
     lines = [f"shoal node at {s['root']}"]
     fs = s["fs_server"]
-    lines.append(f"  layer file system: pid {fs['pid']} at {fs['mount']}" if fs else "  layer file system: not running")
+    if fs:
+        held = fs.get("session_holder")
+        lines.append(f"  layer file system: pid {fs['pid']} at {fs['mount']}"
+                     + (f" (its FUSE session held by pid {held})" if held else " (no session holder: a crash ends the mount)"))
+    else:
+        lines.append("  layer file system: not running")
     lines.append(f"  lazy layers: {len(s['lazy_layers'])}")
     for ly in s["lazy_layers"]:
         lines.append(

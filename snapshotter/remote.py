@@ -248,7 +248,7 @@ class RemoteLayers:
         lazy layer does not wait for it to start. ShoalError (one line) if it cannot
         start: the node does not run without it unless told to ([fetch] lazy = false)."""
         try:
-            self.fs.ensure_running()
+            self.fs.supervise()  # (restarts it if it dies; an older version's hands its session over)
         except ShoalError as e:
             raise ShoalError(f"{e} (with [fetch] lazy = false the node runs without lazy layers)") from None
 

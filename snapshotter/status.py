@@ -12,13 +12,16 @@ import os
 
 def node_status(root: str) -> dict:
     """What the node at root is doing: layers (lazy/unpacked), reads, cache and sources."""
+    from snapshotter.fs import holder
     from snapshotter.fs.client import FSClient
 
     status: dict = {"root": root, "fs_server": None, "lazy_layers": [], "unpacked_layers": []}
     fs = FSClient(root)
     if fs.running():
         reply = fs.status()
-        status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s")}
+        held = holder.ping(root)  # the holder of its FUSE session (fs/holder.py): the mount survives the server
+        status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s"),
+                               "version": fs.version, "session_holder": held["pid"] if held else None}
         status["lazy_layers"] = reply.get("layers", [])
         status["data_path"] = reply.get("store", {})
         status["prefetch"] = reply.get("prefetch", {})

@@ -35,7 +35,6 @@ import pytest
 
 pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (shoal[node])")
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
-pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
 from shoal.metrics import parse as parse_metrics
 from snapshotter.status import node_status

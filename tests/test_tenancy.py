@@ -30,7 +30,6 @@ import pytest
 
 pytest.importorskip("libtorrent", reason="libtorrent is needed for the swarm (shoal[node])")
 pytest.importorskip("aiohttp", reason="aiohttp is needed for the region (shoal[node])")
-pytest.importorskip("pyfuse3", reason="pyfuse3 is needed for the layer file system (shoal[node])")
 
 from tests.conftest import TOKEN_ISSUER, TOKEN_SERVICE
 from tests.lab import netlab

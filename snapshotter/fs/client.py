@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,16 +15,24 @@ import time
 from shoal import localrpc
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
-from snapshotter.fs.control import SOCKET_NAME
+from snapshotter.fs import holder
+from snapshotter.fs.control import SOCKET_NAME, software_version
 
 log = logging.getLogger("shoal.fs")
+
+
+RESTART_BACKOFF = (0.2, 30.0)  # the supervisor's first and longest wait between restarts
+WATCH_INTERVAL = 0.5  # how often the supervisor pings the server
 
 
 class FSClient:
     """Talks to the layer file system server of ROOT, starting it if it is not running.
 
     The server runs in its own session, so stopping the node leaves it (and every
-    container's files) running; stop() ends it explicitly.
+    container's files) running; stop() ends it explicitly. Its FUSE session is kept by
+    a descriptor holder (fs/holder.py), so a server that dies is replaced by one that
+    takes the session over: `supervise` (the node) restarts a dead server with back-off,
+    and at node start hands the session over to a server of the node's version.
 
     Every op raises ShoalError when the server answers an error (its message names the
     op), OSError when the socket cannot be reached, TimeoutError past `timeout`. Any thread.
@@ -35,7 +44,11 @@ class FSClient:
         self.sock_path = os.path.join(self.root, SOCKET_NAME)
         self.mnt = os.path.join(self.root, "mnt")
         self.pid: int | None = None
+        self.version = ""  # the running server's (ping)
+        self.restarts = 0  # by the supervisor
         self._start_lock = threading.Lock()
+        self._stopped = False  # stop() was called: the supervisor restarts nothing
+        self._watching = False
 
     def _call(self, op: str, timeout: float = 60.0, **args) -> dict:
         return localrpc.call(self.sock_path, {"op": op, **args}, timeout, "layer file system")
@@ -46,7 +59,8 @@ class FSClient:
 
     def running(self) -> bool:
         try:
-            self.pid = self.ping()["pid"]
+            answer = self.ping()
+            self.pid, self.version = answer["pid"], str(answer.get("version", ""))
             return os.path.ismount(self.mnt)
         except (OSError, ShoalError, ValueError):
             return False
@@ -54,6 +68,73 @@ class FSClient:
     def ensure_running(self, timeout: float = 30.0) -> None:
         with self._start_lock:  # two prepares at once start one server
             self._ensure_running(timeout)
+
+    def supervise(self, timeout: float = 30.0) -> None:
+        """At node start: have a server of this node's version running (one of another
+        version, from before an upgrade, hands its FUSE session over to a new one), and
+        from now on restart a server that dies, with back-off and a log line. ShoalError
+        when none can start now."""
+        with self._start_lock:
+            self._stopped = False
+            if self.running() and not self.version:
+                log.warning("layer file system server (pid %s) is from before session takeover: it cannot hand "
+                            "its session over and keeps running (stop it when no container uses its layers)",
+                            self.pid)
+            elif self.running() and self.version != software_version():
+                self._hand_over(timeout)
+            self._ensure_running(timeout)
+            if not self._watching:
+                self._watching = True
+                threading.Thread(target=self._watch, name="shoal-fs-supervisor", daemon=True).start()
+
+    def release(self) -> None:
+        """Stop supervising (the node is going; the server keeps running)."""
+        self._stopped = True
+
+    def _hand_over(self, timeout: float) -> None:
+        """Have the running server exit leaving its session to the holder (SIGUSR1), and
+        wait until it is gone: the next one may write NOTIFY_RESEND only once this one
+        reads no more requests."""
+        old_pid, old_version = self.pid, self.version
+        if old_pid is None:
+            return
+        log.info("layer file system server (pid %d) is version %s, this node %s: handing its session over",
+                 old_pid, old_version or "?", software_version())
+        try:
+            os.kill(old_pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(old_pid):
+            time.sleep(0.02)
+        if _alive(old_pid):
+            raise ShoalError(f"layer file system server (pid {old_pid}) did not hand over within {timeout:.0f}s")
+
+    def _watch(self) -> None:
+        wait = RESTART_BACKOFF[0]
+        while True:
+            time.sleep(WATCH_INTERVAL)
+            if self._stopped:
+                continue
+            try:
+                self.ping(timeout=5.0)
+                continue
+            except (OSError, ShoalError, ValueError):
+                pass
+            with self._start_lock:
+                if self._stopped:
+                    continue
+                log.warning("layer file system server (pid %s) does not answer: restarting it (restart %d)",
+                            self.pid, self.restarts + 1)
+                try:
+                    self._ensure_running(30.0)
+                    self.restarts += 1
+                    wait = RESTART_BACKOFF[0]
+                    continue
+                except ShoalError as e:
+                    log.error("restarting the layer file system server: %s; next try in %.1fs", e, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, RESTART_BACKOFF[1])
 
     def _ensure_running(self, timeout: float) -> None:
         if self.running():
@@ -149,8 +230,11 @@ class FSClient:
         return localrpc.call(self.sock_path, request, (timeout or 600.0) + 30, "layer file system")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the server by its PID and wait until the mount is gone."""
+        """Stop the server by its PID and wait until the mount is gone (the supervisor,
+        if any, restarts nothing after this)."""
+        self._stopped = True
         if not self.running() or self.pid is None:
+            holder.drop(self.root)  # a session no server serves (one killed) ends too
             return
         os.kill(self.pid, 15)
         deadline = time.monotonic() + timeout

@@ -3,7 +3,7 @@
 request per line, one JSON answer per line (shoal/localrpc.py: `call` and `Server`);
 snapshotter/fs/client.py FSClient has a typed method for every op:
 
-    {"op": "ping"}                                    -> {"pid"[, "listen_port" of the swarm]}
+    {"op": "ping"}                                    -> {"pid", "version"[, "listen_port" of the swarm]}
     {"op": "load", "id": HEX}                         -> {"number"} | {"refused", "digest_mismatch"}
     {"op": "unload", "id": HEX}                       -> {"unloaded": bool}
     {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
@@ -30,23 +30,22 @@ that sent them, or it does not parse) is answered {"refused": TEXT, "digest_mism
 bool}, nothing mounted; FSClient.load raises DigestMismatch or FormatError for it.
 ("store" keeps its name on the wire: a node talks to a server started by the one before.)
 
-Threads: localrpc.Server answers each connection on a thread of its own. The file
-system's state belongs to its trio event loop, so every op that touches it runs there
-(trio.from_thread with the loop's token); what takes long (parsing a TOC, waiting for a
-proof, a swarm download, dropping cached pages) stays on the connection's thread.
+Threads: localrpc.Server answers each connection on a thread of its own. Every op that
+touches the file system's layer tables runs under its `state` lock (LayerFS); what takes
+long (parsing a TOC, waiting for a proof, a swarm download, dropping cached pages,
+notifying the kernel of an unloaded layer) runs outside it.
 Errors: an op raises ShoalError, OSError, ValueError or KeyError, logged here and
 answered {"ok": false, "error"} by the server; an unknown op is a ShoalError.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import trio
 
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 
@@ -58,6 +57,19 @@ log = logging.getLogger("shoal.fs")
 SOCKET_NAME = "fs.sock"  # ROOT/fs.sock
 SWARM_OPS = ("stats", "download")  # served by the swarm's Control (p2p/control.py)
 
+
+def software_version() -> str:
+    """The version a node compares with its layer file system's (an upgrade hands the
+    FUSE session over to a server of the node's version): $SHOAL_VERSION when set (what
+    a package's wrapper or a test sets), else the installed package's."""
+    env = os.environ.get("SHOAL_VERSION")
+    if env:
+        return env
+    try:
+        return importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
 Ops = Callable[[dict], dict]
 
 
@@ -65,8 +77,8 @@ class NodeControl:
     """The ops of the node's control socket over one layer file system and, when the
     node's fetch chain has a swarm, the swarm's ops (`swarm`: p2p/control.Control.handle)."""
 
-    def __init__(self, fs: LayerFS, token: trio.lowlevel.TrioToken, swarm: Ops | None = None) -> None:
-        self.fs, self._token, self.swarm = fs, token, swarm
+    def __init__(self, fs: LayerFS, swarm: Ops | None = None) -> None:
+        self.fs, self.swarm = fs, swarm
         self.ops: dict[str, Ops] = {
             "ping": self.ping, "load": self.load, "unload": self.unload, "status": self.status,
             "profile": self.profile, "prefetch": self.prefetch, "warmth": self.warmth, "prove": self.prove,
@@ -86,13 +98,14 @@ class NodeControl:
             raise
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) on the file system's event loop (the only accessor of its state)."""
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        """fn(*args) under the file system's state lock."""
+        with self.fs.state:
+            return fn(*args)
 
     # --- the layer file system's ops
 
     def ping(self, req: dict) -> dict:
-        out = {"pid": os.getpid()}
+        out: dict = {"pid": os.getpid(), "version": software_version()}
         if self.swarm is not None:
             out.update(self.swarm({"op": "ping"}))
         return out
@@ -110,7 +123,7 @@ class NodeControl:
         return {"number": layer.number}
 
     def unload(self, req: dict) -> dict:
-        return {"unloaded": self._on_loop(self.fs.unload, str(req["id"]))}
+        return {"unloaded": self.fs.unload(str(req["id"]))}  # (it notifies the kernel: not under the lock)
 
     def status(self, req: dict) -> dict:
         from builder.oci.auth import provided_statistics

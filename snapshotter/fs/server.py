@@ -8,10 +8,16 @@
                                       the TOC range read through the node's fetch chain)
     ROOT/fs.sock                      control socket: JSON lines {"op": ...} -> {"ok": ...}
 
-It runs as a process of its own (pyfuse3 serves one mount per process, on trio), so a
-restart of the node's control plane (gRPC, asyncio) does not take running containers'
-files away: the node reconnects to this server by its socket. On start it loads every
-layer found under ROOT/layers whose TOC is here, so a reboot restores the mounts too.
+It runs as a process of its own, so a restart of the node's control plane (gRPC,
+asyncio) does not take running containers' files away: the node reconnects to this
+server by its socket. On start it loads every layer found under ROOT/layers whose TOC is
+here, so a reboot restores the mounts too.
+
+FUSE: shoal's own request loop (fs/session.py: threads reading /dev/fuse; fs/protocol.py:
+the wire format), mounted with mount(2). Inode numbers are stable: (layer number <<
+LAYER_SHIFT) | the entry's number in the layer's view (from its TOC), the layer number
+kept in ROOT/layers/<hex>/number, so a server that takes the mount over from a dead one
+answers the kernel's cached nodeids as that one did.
 
 TOCs: `load` of a layer without toc.json reads its TOC range through the node's fetch
 chain (swarm, region, origin, under the chain's deadline), each source's answer checked
@@ -49,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -62,9 +69,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import pyfuse3
-import trio
-
 from builder.format.reader import ChunkLoader, LayerReader
 from builder.format.toc import Chunk, decompress_toc, parse_toc
 from cache.memory import ChunkMemory
@@ -76,8 +80,11 @@ from shoal.errors import FormatError, ShoalError, TransportError
 from shoal.fsutil import PRIVATE_UMASK, mounts, private_dir
 from shoal.localrpc import Server as ControlServer
 from snapshotter.assemble import DataPath, make_data_path
+from snapshotter.fs import holder
+from snapshotter.fs import protocol as p
 from snapshotter.fs.control import SOCKET_NAME, NodeControl
 from snapshotter.fs.proof import ProofError, prove_blob
+from snapshotter.fs.session import Session, unmount
 from snapshotter.fs.view import LayerView, Node
 
 log = logging.getLogger("shoal.fs")
@@ -87,6 +94,8 @@ TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attri
 ROOT_TIMEOUT = 1.0  # the set of layers changes
 PROOF_NICE = 10  # CPU priority of the background proof thread (os.setpriority)
 BAD_FILE = "bad"  # ROOT/layers/<hex>/bad: the reason the layer is refused
+NUMBER_FILE = "number"  # ROOT/layers/<hex>/number: the layer's number (the high bits of its inodes)
+NUMBERS_FILE = "layer-numbers"  # ROOT/layer-numbers: the next new layer's number
 
 
 class LayerLoader(ChunkLoader, WarmLoader, Protocol):
@@ -123,7 +132,7 @@ class Layer:
     reads: int = 0
     read_bytes: int = 0
     errors: int = 0
-    attrs: dict = field(default_factory=dict)  # inode -> EntryAttributes
+    attrs: dict = field(default_factory=dict)  # inode within the layer -> protocol.Attr
     bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
 
@@ -131,43 +140,77 @@ def layer_dir(root: str, layer_id: str) -> str:
     return os.path.join(root, "layers", layer_id)
 
 
-class LayerFS(pyfuse3.Operations):
-    enable_writeback_cache = False
+class FUSEError(Exception):
+    """A request's answer is this errno (raised by the operations, answered by `handle`)."""
+
+    def __init__(self, err: int):
+        super().__init__(os.strerror(err))
+        self.errno = err
+
+
+# The opcodes `shoal status` counts, by the names it has always shown them under.
+_OP_NAMES = {p.Lookup: "lookup", p.Getattr: "getattr", p.Readdirplus: "readdir", p.Open: "open",
+             p.Read: "read", p.Readlink: "readlink", p.Getxattr: "getxattr", p.Listxattr: "listxattr"}
+READ_WORKERS = 32  # reads that wait for the store or the network, at once
+
+
+class LayerFS:
+    """The operations of the layer file system over shoal's own FUSE protocol module.
+
+    Threads: `handle` runs on the session's reader threads (several at once) and on
+    READ_WORKERS worker threads for reads that must load chunks; it only reads the
+    layer tables (a dict lookup is atomic). Everything that changes them (register,
+    unload, mark_bad, the warm-up's queue) runs under `state`, an RLock the control
+    socket's ops take too (control.py). Notifications to the kernel are written outside
+    `state` (an INVAL_ENTRY may wait on a request whose handler would wait on it).
+    """
 
     def __init__(self, root: str, make_loader: Callable[[BlobRef, str], LayerLoader],
                  data_path: DataPath | None = None):
-        super().__init__()
         self.root = root
         self.make_loader = make_loader  # (blob, layer name) -> its loader
         self.data_path = data_path  # the node's data path the loaders come from (figures, close)
         self.layers: dict[str, Layer] = {}
         self.by_number: dict[int, Layer] = {}
-        self._next_number = 1
         self.started = time.time()
-        self.readahead_kb = 0  # set once, at the first lookup (see set_readahead)
-        self.ops: dict[str, list] = {}  # op -> [count, seconds]: `shoal status` shows them
-        self._lock = threading.Lock()  # proofs, the TOC figures
+        self.readahead_kb = 0  # set once the mount's INIT is answered (see set_readahead)
+        self.ops: dict[str, list] = {name: [0, 0.0] for name in _OP_NAMES.values()}  # `shoal status`
+        self.state = threading.RLock()  # the layer tables (see the class docstring)
+        self._lock = threading.Lock()  # proofs, the TOC figures, layer numbers
+        self.session: Session | None = None  # where notifications go (set by `run`)
         self.trace = AccessTrace()
         self.warmup = Warmup(self.loaders)
         self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs, TOCs
         self.tocs = {"fetched": 0, "bytes": 0, "failed": 0}  # TOCs read through the chain (compressed bytes)
         self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
         self._proof_pool: ThreadPoolExecutor | None = None
-        for name in ("lookup", "getattr", "readdir", "open", "read", "readlink", "getxattr", "listxattr"):
-            setattr(self, name, self._timed(name, getattr(self, name)))
+        self._read_pool = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="shoal-read")
 
-    def _timed(self, name: str, fn):
-        counter = self.ops.setdefault(name, [0, 0.0])
+    # --- layer numbers: stable across restarts ------------------------------------------------
 
-        async def op(*args):
-            start = time.perf_counter()
+    def layer_number(self, layer_id: str) -> int:
+        """The layer's number, the high bits of its inodes: kept in ROOT/layers/<hex>/number
+        so that a server taking over the mount gives the kernel's cached nodeids the same
+        meaning; new numbers come from ROOT/layer-numbers, which only grows (a number is
+        never given to another layer, even after its layer is swept)."""
+        path = os.path.join(layer_dir(self.root, layer_id), NUMBER_FILE)
+        with self._lock:
             try:
-                return await fn(*args)
-            finally:
-                counter[0] += 1
-                counter[1] += time.perf_counter() - start
-
-        return op
+                with open(path) as f:
+                    number = int(f.read().strip())
+                if 0 < number < 1 << (64 - LAYER_SHIFT):
+                    return number
+            except (FileNotFoundError, ValueError):
+                pass
+            counter = os.path.join(self.root, NUMBERS_FILE)
+            try:
+                with open(counter) as f:
+                    number = max(1, int(f.read().strip()))
+            except (FileNotFoundError, ValueError):
+                number = 1 + max(_numbers_in(os.path.join(self.root, "layers")), default=0)
+            _write_private(counter, f"{number + 1}\n".encode())
+            _write_private(path, f"{number}\n".encode())
+            return number
 
     # --- layers -------------------------------------------------------------------------
 
@@ -200,10 +243,7 @@ class LayerFS(pyfuse3.Operations):
         if view.max_ino >= 1 << LAYER_SHIFT:
             raise ShoalError(f"{name}: too many entries")
         if fetched is not None:  # kept once it serves: a TOC that is refused leaves nothing
-            tmp = os.path.join(d, f".toc.json.{threading.get_native_id()}")
-            with open(tmp, "wb") as f:  # (the process's umask keeps it root's alone)
-                f.write(fetched)
-            os.rename(tmp, os.path.join(d, "toc.json"))
+            _write_private(os.path.join(d, "toc.json"), fetched)
         return blob, meta.get("image", ""), view, loader
 
     def fetch_toc(self, blob: BlobRef, where: object) -> bytes:
@@ -244,18 +284,23 @@ class LayerFS(pyfuse3.Operations):
         return toc_json
 
     def register(self, layer_id: str, blob: BlobRef, image: str, view: LayerView, loader: LayerLoader) -> Layer:
-        """Serve a layer read by read_layer (on the event loop; a layer loaded meanwhile
-        by another request wins)."""
+        """Serve a layer read by read_layer (any thread; a layer loaded meanwhile by
+        another request wins)."""
+        number = self.layer_number(layer_id)  # (before the lock: it writes files)
+        with self.state:
+            return self._register(layer_id, number, blob, image, view, loader)
+
+    def _register(self, layer_id: str, number: int, blob: BlobRef, image: str, view: LayerView,
+                  loader: LayerLoader) -> Layer:
         if layer_id in self.layers:
             return self.layers[layer_id]
-        layer = Layer(self._next_number, layer_id, blob, image, view, loader, time.time(), self.trace.layer(blob.digest))
+        layer = Layer(number, layer_id, blob, image, view, loader, time.time(), self.trace.layer(blob.digest))
         try:
             with open(os.path.join(layer_dir(self.root, layer_id), BAD_FILE)) as f:
                 layer.bad = f.read().strip() or "marked bad"
         except FileNotFoundError:
             pass
         view.reader.on_read = layer.traced.note
-        self._next_number += 1
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
         log.info("loaded layer %s of %s (%d entries)", blob.digest, image or "?", len(view.reader.entries))
@@ -312,10 +357,7 @@ class LayerFS(pyfuse3.Operations):
     def mark_bad(self, layer_id: str, reason: str) -> None:
         """Refuse every read of the layer from now on, and after restarts."""
         layer = self.layers[layer_id]
-        path = os.path.join(layer_dir(self.root, layer_id), BAD_FILE)
-        with open(path + ".tmp", "w") as f:
-            f.write(reason + "\n")
-        os.rename(path + ".tmp", path)
+        _write_private(os.path.join(layer_dir(self.root, layer_id), BAD_FILE), (reason + "\n").encode())
         if not layer.bad:
             log.error("layer %s of %s is bad, its reads fail from now on: %s", layer.blob.digest,
                       layer.image or "?", reason)
@@ -332,10 +374,8 @@ class LayerFS(pyfuse3.Operations):
             entry = layer.view.reader.entries.get(node.path)
             if node.whiteout or entry is None or entry.type != "reg":
                 continue
-            try:
-                pyfuse3.invalidate_inode((layer.number << LAYER_SHIFT) | node.ino, False)
-            except OSError:
-                pass  # an inode the kernel does not hold (ENOENT): nothing cached
+            if self.session is not None:  # (an inode the kernel does not hold: nothing cached)
+                self.session.notify(p.notify_inval_inode((layer.number << LAYER_SHIFT) | node.ino, 0, 0))
 
     def proof_state(self, layer: Layer) -> dict:
         if layer.bad:
@@ -351,13 +391,15 @@ class LayerFS(pyfuse3.Operations):
         return {"proof": "bad" if answer.get("final") else "pending", "reason": answer.get("error")}
 
     def unload(self, layer_id: str) -> bool:
-        layer = self.layers.pop(layer_id, None)
-        if layer is None:
-            return False
-        del self.by_number[layer.number]
-        self.trace.forget(layer.blob.digest)
-        with contextlib.suppress(Exception):  # best effort: the entry times out anyway
-            pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, layer_id.encode())
+        """Stop serving the layer (any thread but a request's; takes `state` itself)."""
+        with self.state:
+            layer = self.layers.pop(layer_id, None)
+            if layer is None:
+                return False
+            del self.by_number[layer.number]
+            self.trace.forget(layer.blob.digest)
+        if self.session is not None:  # best effort: the entry times out anyway
+            self.session.notify(p.notify_inval_entry(p.ROOT_ID, layer_id.encode()))
         log.info("unloaded layer %s", layer.blob.digest)
         return True
 
@@ -387,194 +429,233 @@ class LayerFS(pyfuse3.Operations):
     # --- inode plumbing -------------------------------------------------------------------
 
     def _resolve(self, inode: int) -> tuple[Layer, Node]:
+        """The layer and node of a nodeid; ENOENT for one no loaded layer has (the kernel
+        may still hold nodeids of a layer unloaded since, or given out by a predecessor)."""
         layer = self.by_number.get(inode >> LAYER_SHIFT)
         node = layer.view.node(inode & ((1 << LAYER_SHIFT) - 1)) if layer else None
         if layer is None or node is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise FUSEError(errno.ENOENT)
         return layer, node
 
-    def _attrs(self, layer: Layer, node: Node) -> pyfuse3.EntryAttributes:
+    def _attrs(self, layer: Layer, node: Node) -> p.Attr:
         # Layers are immutable: each inode's attributes are computed once.
         cached = layer.attrs.get(node.ino)
-        if cached is not None:
-            return cached
-        attrs = layer.attrs[node.ino] = self._make_attrs(layer, node)
-        return attrs
+        if cached is None:
+            cached = layer.attrs[node.ino] = self._make_attrs(layer, node)
+        return cached
 
-    def _make_attrs(self, layer: Layer, node: Node) -> pyfuse3.EntryAttributes:
+    def _make_attrs(self, layer: Layer, node: Node) -> p.Attr:
         st = layer.view.stat(node)
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = (layer.number << LAYER_SHIFT) | node.ino
-        a.generation = 0
-        a.entry_timeout = TIMEOUT
-        a.attr_timeout = TIMEOUT
-        a.st_mode = LayerView.mode(st)
-        a.st_nlink = st.nlink
-        a.st_uid = st.uid
-        a.st_gid = st.gid
-        a.st_rdev = os.makedev(st.devmajor, st.devminor)
-        a.st_size = st.size
-        a.st_blksize = 4096
-        a.st_blocks = (st.size + 511) // 512
         ns = int(st.mtime * 1e9)
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
-        return a
+        return p.Attr(ino=(layer.number << LAYER_SHIFT) | node.ino, mode=LayerView.mode(st), size=st.size,
+                      nlink=st.nlink, uid=st.uid, gid=st.gid, rdev=os.makedev(st.devmajor, st.devminor),
+                      atime_ns=ns, mtime_ns=ns, ctime_ns=ns)
 
-    def _root_attrs(self) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = pyfuse3.ROOT_INODE
-        a.entry_timeout = a.attr_timeout = ROOT_TIMEOUT
+    def _root_attrs(self) -> p.Attr:
         # ROOT/mnt lists the node's layers: root's alone (overlayfs looks up its lower
         # layers with the credentials of whoever mounted it, containerd: root)
-        a.st_mode = statmod.S_IFDIR | 0o700
-        a.st_nlink = 2 + len(self.layers)
-        a.st_blksize = 4096
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(self.started * 1e9)
-        return a
+        ns = int(self.started * 1e9)
+        return p.Attr(ino=p.ROOT_ID, mode=statmod.S_IFDIR | 0o700, nlink=2 + len(self.layers),
+                      atime_ns=ns, mtime_ns=ns, ctime_ns=ns)
 
-    def _layer_root_attrs(self, layer: Layer) -> pyfuse3.EntryAttributes:
+    def _layer_root_attrs(self, layer: Layer) -> p.Attr:
         root = layer.view.node(1)  # (every layer's view has its root)
         if root is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise FUSEError(errno.ENOENT)
         return self._attrs(layer, root)
 
-    # --- FUSE operations ------------------------------------------------------------------
+    # --- FUSE requests ----------------------------------------------------------------------
 
-    async def getattr(self, inode, ctx=None):
-        if inode == pyfuse3.ROOT_INODE:
-            return self._root_attrs()
-        return self._attrs(*self._resolve(inode))
+    def handle(self, req: p.Request) -> list[bytes] | None:
+        """The answer to one request (the session's Handler): the reply's buffers, None
+        when there is none (FORGET, INTERRUPT) or a worker thread writes it later (a READ
+        that loads chunks). Requests for nodeids this process never gave out are
+        answered like any other: every inode of a loaded layer is addressable, and no
+        lookup count is kept (FORGET has nothing to drop), so a server taking over a
+        session answers the kernel's cached nodeids as its predecessor did."""
+        u = req.header.unique
+        name = _OP_NAMES.get(type(req))
+        start = time.perf_counter()
+        try:
+            return self._answer(req)
+        except FUSEError as e:
+            return [p.reply_error(u, e.errno)]
+        finally:
+            if name is not None:
+                counter = self.ops[name]
+                counter[0] += 1
+                counter[1] += time.perf_counter() - start
 
-    async def lookup(self, parent_inode, name, ctx=None):
-        if self.readahead_kb:
-            kb, self.readahead_kb = self.readahead_kb, 0
-            set_readahead(os.path.join(self.root, "mnt"), kb)
+    def _answer(self, req: p.Request) -> list[bytes] | None:
+        u, inode = req.header.unique, req.header.nodeid
+        match req:
+            case p.Lookup():
+                return [self.lookup(u, inode, req.name)]
+            case p.Getattr():
+                attr = self._root_attrs() if inode == p.ROOT_ID else self._attrs(*self._resolve(inode))
+                return [p.reply_attr(u, attr, attr_valid_ns=_ns(ROOT_TIMEOUT if inode == p.ROOT_ID else TIMEOUT))]
+            case p.Open():
+                return [self.open(u, inode, req.flags)]
+            case p.Read():
+                return self.read(u, req.fh, req.offset, req.size)
+            case p.Opendir():
+                if inode != p.ROOT_ID:
+                    layer, node = self._resolve(inode)
+                    if layer.view.stat(node).type != "dir":
+                        raise FUSEError(errno.ENOTDIR)
+                return [p.reply_open(u, inode, 0)]
+            case p.Readdirplus():
+                return [self.readdir(u, req.fh, req.offset, req.size)]
+            case p.Readlink():
+                layer, node = self._resolve(inode)
+                try:
+                    return [p.reply(u, os.fsencode(layer.view.reader.readlink(node.path)))]
+                except OSError as e:
+                    raise FUSEError(e.errno or errno.EINVAL) from None
+            case p.Listxattr():
+                names = b"" if inode == p.ROOT_ID else b"".join(
+                    os.fsencode(k) + b"\0" for k in self.layer_xattrs(inode))
+                return [p.reply_xattr(u, req.size, names)]
+            case p.Getxattr():
+                value = None if inode == p.ROOT_ID else self.layer_xattrs(inode).get(os.fsdecode(req.name))
+                if value is None:
+                    raise FUSEError(errno.ENODATA)
+                return [p.reply_xattr(u, req.size, value)]
+            case p.Access():
+                if req.mask & os.W_OK:
+                    raise FUSEError(errno.EROFS)
+                return [p.reply(u)]
+            case p.Statfs():
+                layers = list(self.layers.values())
+                files = sum(len(layer.view.nodes) for layer in layers)
+                size = sum(e.size for layer in layers for e in layer.view.reader.entries.values())
+                return [p.reply_statfs(u, blocks=(size + 4095) // 4096, bfree=0, bavail=0, files=files, ffree=0)]
+            case p.Release() | p.Releasedir() | p.Flush() | p.Destroy():
+                return [p.reply(u)]
+            case p.Forget() | p.BatchForget() | p.Interrupt():
+                return None
+            case _:
+                return [p.reply_error(u, errno.ENOSYS)]
+
+    def layer_xattrs(self, inode: int) -> dict[str, bytes]:
+        layer, node = self._resolve(inode)
+        return layer.view.xattrs(node)
+
+    def lookup(self, u: int, parent: int, name: bytes) -> bytes:
         text = os.fsdecode(name)
-        if parent_inode == pyfuse3.ROOT_INODE:
+        if parent == p.ROOT_ID:
             layer = self.layers.get(text)
             if layer is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            return self._layer_root_attrs(layer)
-        layer, node = self._resolve(parent_inode)
+                raise FUSEError(errno.ENOENT)
+            return p.reply_entry(u, self._layer_root_attrs(layer), entry_valid_ns=_ns(TIMEOUT),
+                                 attr_valid_ns=_ns(TIMEOUT))
+        layer, node = self._resolve(parent)
         child = layer.view.lookup(node, text)
         if child is None:
             # A negative entry the kernel may cache (inode 0): programs probe many paths
             # that do not exist (an import searches every sys.path entry), and through
             # overlayfs each probe would otherwise reach this process once per layer.
-            negative = pyfuse3.EntryAttributes()
-            negative.st_ino = 0
-            negative.entry_timeout = TIMEOUT
-            return negative
-        return self._attrs(layer, child)
+            return p.reply_negative_entry(u, entry_valid_ns=_ns(TIMEOUT))
+        return p.reply_entry(u, self._attrs(layer, child), entry_valid_ns=_ns(TIMEOUT), attr_valid_ns=_ns(TIMEOUT))
 
-    async def opendir(self, inode, ctx):
-        if inode != pyfuse3.ROOT_INODE:
-            layer, node = self._resolve(inode)
-            if layer.view.stat(node).type != "dir":
-                raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
-
-    async def readdir(self, fh, start_id, token):
-        # Attributes are computed only for the entries this call returns: a large
-        # directory is listed over many calls, each resuming at start_id.
-        if fh == pyfuse3.ROOT_INODE:
+    def readdir(self, u: int, fh: int, offset: int, size: int) -> bytes:
+        # Attributes are computed only for the entries this reply holds: a large
+        # directory is listed over many requests, each resuming at `offset` (the `off`
+        # of the last entry the kernel took).
+        if fh == p.ROOT_ID:
             layers = sorted(self.layers.items())
-            for i in range(start_id, len(layers)):
-                lid, layer = layers[i]
-                if not pyfuse3.readdir_reply(token, os.fsencode(lid), self._layer_root_attrs(layer), i + 1):
-                    break
-            return
-        layer, node = self._resolve(fh)
-        entries = layer.view.listdir(node)
-        for i in range(start_id, len(entries)):
-            name, child = entries[i]
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(layer, child), i + 1):
-                break
-
-    async def releasedir(self, fh):
-        pass
+            entries = (p.DirEntry(os.fsencode(lid), i + 1, self._layer_root_attrs(layer))
+                       for i, (lid, layer) in enumerate(layers) if i >= offset)
+        else:
+            layer, node = self._resolve(fh)
+            listing = layer.view.listdir(node)
+            entries = (p.DirEntry(os.fsencode(listing[i][0]), i + 1, self._attrs(layer, listing[i][1]))
+                       for i in range(offset, len(listing)))
+        body, _ = p.pack_direntplus(entries, size, entry_valid_ns=_ns(TIMEOUT), attr_valid_ns=_ns(TIMEOUT))
+        return p.reply(u, body)
 
     def _refuse_bad(self, layer: Layer, node: Node, what: str) -> None:
         if layer.bad:
             layer.errors += 1
             log.error("%s /%s of layer %s of %s refused (EIO): %s", what, node.path, layer.blob.digest,
                       layer.image or "?", layer.bad)
-            raise pyfuse3.FUSEError(errno.EIO)
+            raise FUSEError(errno.EIO)
 
-    async def open(self, inode, flags, ctx):
+    def open(self, u: int, inode: int, flags: int) -> bytes:
         layer, node = self._resolve(inode)
         self._refuse_bad(layer, node, "open")
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise FUSEError(errno.EROFS)
         if layer.view.stat(node).type != "reg":
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+            raise FUSEError(errno.EINVAL)
+        # fh: the inode (what READ needs). No FLUSH at close: a read-only file has nothing to
+        # flush, and a close must not wait for a server (a process forked to become the next
+        # server closes the FUSE files it inherited before it serves)
+        return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
-    async def read(self, fh, off, size):
+    def read(self, u: int, fh: int, off: int, size: int) -> list[bytes] | None:
         layer, node = self._resolve(fh)
         layer.reads += 1
         self._refuse_bad(layer, node, "read")
-        reader = layer.view.reader
+        # Chunks already decompressed in memory are served here; anything that must be
+        # loaded (store, network) goes to a worker thread, which writes the reply.
         try:
-            # Chunks already decompressed in memory are served here; anything that must
-            # be loaded (store, network) goes to a worker thread.
-            data = reader.read_cached(node.path, off, size)
-            if data is None:
-                data = await trio.to_thread.run_sync(reader.read, node.path, off, size)
-        except ShoalError as e:
+            data = layer.view.reader.read_cached(node.path, off, size)
+        except Exception as e:  # noqa: BLE001 - answered as the slow path answers it
+            return [self._read_failed(u, layer, node, off, size, e)]
+        if data is None:
+            self._read_pool.submit(self._read_slow, u, layer, node, off, size)
+            return None
+        layer.read_bytes += len(data)
+        return [p.reply_header(u, len(data)), data]
+
+    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int) -> None:
+        try:
+            data = layer.view.reader.read(node.path, off, size)
+            layer.read_bytes += len(data)
+            out = [p.reply_header(u, len(data)), data]
+        except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO
+            out = [self._read_failed(u, layer, node, off, size, e)]
+        session = self.session
+        if session is not None:
+            try:
+                session.reply(out)
+            except OSError as e:
+                log.error("FUSE reply to a read refused: %s", e)
+
+    def _read_failed(self, u: int, layer: Layer, node: Node, off: int, size: int, e: Exception) -> bytes:
+        if isinstance(e, ShoalError):
             layer.errors += 1
             log.error("read %s offset %d size %d of %s: %s", node.path, off, size, layer.blob.digest, e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except Exception:
-            layer.errors += 1
-            log.exception("read %s of %s failed", node.path, layer.blob.digest)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        layer.read_bytes += len(data)
-        return data
+            return p.reply_error(u, errno.EIO)
+        if isinstance(e, OSError):
+            return p.reply_error(u, e.errno if e.errno and 0 < e.errno <= p.MAX_ERRNO else errno.EIO)
+        layer.errors += 1
+        log.error("read %s of %s failed", node.path, layer.blob.digest, exc_info=e)
+        return p.reply_error(u, errno.EIO)
 
-    async def release(self, fh):
-        pass
 
-    async def readlink(self, inode, ctx):
-        layer, node = self._resolve(inode)
-        try:
-            return os.fsencode(layer.view.reader.readlink(node.path))
-        except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EINVAL) from None
+def _write_private(path: str, data: bytes) -> None:
+    """Write a file under ROOT atomically (a temporary file renamed over it), 0600."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_native_id()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.rename(tmp, path)
 
-    async def listxattr(self, inode, ctx):
-        if inode == pyfuse3.ROOT_INODE:
-            return []
-        layer, node = self._resolve(inode)
-        return [os.fsencode(k) for k in layer.view.xattrs(node)]
 
-    async def getxattr(self, inode, name, ctx):
-        if inode == pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        layer, node = self._resolve(inode)
-        value = layer.view.xattrs(node).get(os.fsdecode(name))
-        if value is None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        return value
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
 
-    async def access(self, inode, mode, ctx):
-        if mode & os.W_OK:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return True
 
-    async def statfs(self, ctx):
-        s = pyfuse3.StatvfsData()
-        files = sum(len(layer.view.nodes) for layer in self.layers.values())
-        size = sum(e.size for layer in self.layers.values() for e in layer.view.reader.entries.values())
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = (size + 4095) // 4096
-        s.f_bfree = s.f_bavail = 0
-        s.f_files = files
-        s.f_ffree = s.f_favail = 0
-        s.f_namemax = 255
-        return s
+def _numbers_in(layers: str) -> list[int]:
+    """The layer numbers recorded under ROOT/layers (for a root made before ROOT/layer-numbers)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(layers):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(layers, name, NUMBER_FILE)) as f:
+                out.append(int(f.read().strip()))
+    return out
 
 
 def _lower_priority() -> None:
@@ -600,7 +681,7 @@ def set_readahead(mnt: str, kb: int) -> None:
     the faulting page comes back first. The window is the mount's backing device's
     read_ahead_kb in sysfs (found through mountinfo: a stat of the mount would ask this
     very process). The kernel sets it when the mount's INIT is answered, so this runs
-    at the first request after that (LayerFS.lookup)."""
+    right after that (Session.on_init)."""
     try:
         dev = next((dev for point, dev in mounts() if point == mnt), None)  # the bdi's name
         if dev is None:
@@ -619,23 +700,57 @@ def build_fs(root: str, config: dict) -> LayerFS:
     return LayerFS(root, path.loader, path)
 
 
-async def _main(fs: LayerFS, root: str) -> None:
-    # the node's one control socket, bound once the event loop runs (its ops reach it)
-    control = NodeControl(fs, trio.lowlevel.current_trio_token(), fs.data_path.swarm_ops if fs.data_path else None)
-    server = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
+def clear_dead_mount(mnt: str) -> None:
+    """Detach what is mounted at `mnt` (a server that died without unmounting leaves a
+    mount whose every access is ENOTCONN: makedirs and stat of it fail)."""
+    while any(point == mnt for point, _ in mounts()):
+        if not unmount(mnt):
+            raise ShoalError(f"cannot unmount the dead mount {mnt}")
+        log.warning("detached the mount left at %s", mnt)
+
+
+def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
+    """The FUSE session to serve: the one the descriptor holder keeps for `mnt`, taken
+    over (no INIT; Session.serve writes NOTIFY_RESEND first), or a new mount whose
+    descriptor goes to the holder once INIT is answered. Nothing here touches `mnt` while
+    a held session may be waiting for a server (a stat of it would wait for us)."""
+    held = holder.get(root)
+    if held is not None:
+        fd, state = held
+        if state.get("mnt") == mnt and any(point == mnt for point, _ in mounts()):
+            try:
+                negotiated = p.Negotiated.from_json(str(state.get("negotiated")).encode())
+            except p.ProtocolError as e:
+                log.error("the held FUSE session of %s: %s: mounting anew", mnt, e)
+            else:
+                log.info("taking over the FUSE session of %s from the descriptor holder", mnt)
+                return Session(fd, negotiated)
+        os.close(fd)
+        holder.drop(root)  # a session of a mount that is gone: no one is served by it
+    clear_dead_mount(mnt)
+    os.makedirs(mnt, mode=0o700, exist_ok=True)
     try:
-        await pyfuse3.main()
-    finally:
-        server.close()
+        holder.ensure(root, log_path)  # before the mount: the descriptor goes to it right after INIT
+    except (OSError, ShoalError) as e:
+        log.error("no descriptor holder (a crash of this process will end the FUSE session): %s", e)
+    session = Session.mount(mnt)
+
+    def keep(negotiated: p.Negotiated) -> None:
+        try:
+            pid = holder.put(root, session.fd, {"mnt": mnt, "negotiated": negotiated.to_json().decode()}, log_path)
+            log.info("the FUSE session of %s is held by pid %d (it survives this process)", mnt, pid)
+        except (OSError, ShoalError) as e:
+            log.error("cannot hand the FUSE session to the descriptor holder (a crash of this process "
+                      "will end it): %s", e)
+
+    session.on_init = keep
+    return session
 
 
 def run(root: str, config: dict) -> int:
     os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     mnt = os.path.join(root, "mnt")
-    os.makedirs(mnt, mode=0o700, exist_ok=True)
     private_dir(os.path.join(root, "layers"))
-    if os.path.ismount(mnt):  # a server that died without unmounting
-        os.system(f"fusermount3 -u -z {mnt!r} 2>/dev/null || umount -l {mnt!r}")
     fs = build_fs(root, config)
     for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
         if not os.path.exists(os.path.join(layer_dir(root, layer_id), "toc.json")):
@@ -644,28 +759,50 @@ def run(root: str, config: dict) -> int:
             fs.load(layer_id)
         except (ShoalError, OSError, ValueError, KeyError) as e:
             log.error("cannot restore layer %s: %s", layer_id, e)
-    options = set(pyfuse3.default_options)
-    options |= {"fsname=shoal", "subtype=shoal", "ro", "allow_other", "default_permissions"}
-    options.discard("default_permissions")
-    options.add("default_permissions")
-    pyfuse3.init(fs, mnt, options)
-    fs.readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
-    stop = {"flag": False}
+    logs = os.path.join(root, "logs")
+    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None)
+    if not session.took_over:
+        readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
+        keep = session.on_init
 
-    def _term(*_):
-        stop["flag"] = True
-        pyfuse3.terminate()
+        def on_init(negotiated: p.Negotiated) -> None:
+            set_readahead(mnt, readahead_kb)
+            if keep is not None:
+                keep(negotiated)
 
-    signal.signal(signal.SIGTERM, _term)
-    signal.signal(signal.SIGINT, _term)
-    log.info("serving %d layers at %s (pid %d)", len(fs.layers), mnt, os.getpid())
+        session.on_init = on_init
+    control = NodeControl(fs, fs.data_path.swarm_ops if fs.data_path else None)
+    server = ControlServer(os.path.join(root, SOCKET_NAME), control.handle).start()
+    stop = {"how": ""}
+    stopped = threading.Event()
+
+    def _term(signum, _frame):
+        # SIGTERM, SIGINT: stop serving (unmount; the holder lets the session go).
+        # SIGUSR1: hand over (an upgrade): exit, leaving the session to the holder and
+        # the next server; what this one has not answered, the kernel sends that one again.
+        stop["how"] = "handover" if signum == signal.SIGUSR1 else "stop"
+        stopped.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, _term)
+    session.serve(fs.handle)
+    log.info("serving %d layers at %s (pid %d%s)", len(fs.layers), mnt, os.getpid(),
+             ", taken over" if session.took_over else "")
     try:
-        trio.run(_main, fs, root)
+        while not stopped.wait(0.5) and not session.wait(0):
+            pass
     finally:
-        pyfuse3.close(unmount=True)
-        log.info("unmounted %s", mnt)
+        server.close()
+        if stop["how"] == "handover":
+            log.info("handing the FUSE session of %s over to the next server", mnt)
+        else:
+            unmount(mnt)
+            holder.drop(root)
+            log.info("unmounted %s (%s)", mnt, "connection ended" if session.wait(0) else "told to stop")
         if fs.data_path is not None:
             fs.data_path.close(10.0)
+    if stop["how"] == "handover":
+        os._exit(0)  # (the reader threads wait in read(2): they must not read on)
     return 0
 
 
@@ -675,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-json", default="{}", help="node configuration, as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shoal-fs %(levelname)s %(message)s", stream=sys.stderr)
+    faulthandler.register(signal.SIGUSR2)  # a developer's aid: every thread's stack to the log
     profile = os.environ.get("SHOAL_FS_PROFILE")  # a developer's aid: cProfile output path
     try:
         if profile:

@@ -233,9 +233,8 @@ class Lab:
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
 
     def close(self) -> None:
-        for root in self.node_roots:  # a layer file system server that started unseen
-            pid = fs_server_pid(root)
-            if pid:
+        for root in self.node_roots:  # a layer file system server (and holder) that started unseen
+            for pid in fs_pids(root):
                 self.adopt(pid, str(root))
         for proc in self.procs:
             if proc.poll() is None:
@@ -588,6 +587,15 @@ def fs_server_pid(root: Path | str) -> int | None:
         return None
 
 
+def fs_pids(root: Path | str) -> set[int]:
+    """The PIDs of a node root's layer file system: its server and the holder of its FUSE
+    session (snapshotter/fs/holder.py), those that answer."""
+    from snapshotter.fs import holder
+
+    held = holder.ping(str(root))
+    return {pid for pid in (fs_server_pid(root), held and int(held["pid"])) if pid}
+
+
 def _toml(tables: dict[str, dict]) -> str:
     """TOML of {table: {key: str | int | float | bool | list[str]}} (JSON strings are TOML strings)."""
     lines = []
@@ -632,8 +640,7 @@ class LabNode:
 
         layers = provide_layers(str(self.socket), image.name, image.manifest_digest, image.layers,
                                 image.diff_ids)  # plain HTTP: the node's plain_http_hosts
-        pid = fs_server_pid(self.root)
-        if pid:
+        for pid in fs_pids(self.root):
             lab.adopt(pid, str(self.root))
         return [self.layer_dir(ly.digest) for ly in layers if ly.kind == "lazy"]
 
@@ -659,11 +666,11 @@ class LabNode:
         return http_get(lab, self.host, f"http://{self.metrics_address}/metrics")[0]
 
     def stop(self, lab: Lab, sig: int = signal.SIGTERM) -> None:
-        """Stop the layer file system server (the swarm's process) and the node, by PID.
-        SIGKILL kills both as a crashed machine would, and leaves a dead FUSE mount
-        behind (unmount())."""
+        """Stop the layer file system server (the swarm's process), the holder of its FUSE
+        session and the node, by PID. SIGKILL kills them all as a crashed machine would,
+        and leaves a dead FUSE mount behind (unmount())."""
         root = str(self.root)
-        pids = {p for p, marker in lab.adopted if marker == root} | {fs_server_pid(root)}
+        pids = {p for p, marker in lab.adopted if marker == root} | fs_pids(root)
         for pid in pids - {None}:
             lab.stop_pid(pid, root, sig)
         lab.kill(self.proc, sig)

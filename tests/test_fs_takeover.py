@@ -1,0 +1,415 @@
+"""The layer file system's FUSE session outlives its server: kill -9 of shoal-fs, or an
+upgrade, while a reader reads a lazy file in a loop; the descriptor holder keeps the
+connection, a new server takes it over (NOTIFY_RESEND), and the reader never sees a
+failed read (real registry, real FUSE mount, shoal's own processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from builder.convert import convert
+from builder.oci.refs import open_source
+from snapshotter.fs import holder
+from snapshotter.fs.client import FSClient
+from snapshotter.remote import RemoteLayers
+from tests.lab.fromdir import ImageConfig, build_image
+from tests.rootfs import busybox_layer, lazy_app_image
+from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, wait_for
+from tests.test_lazy_fs import layer_labels, prepare_tree
+
+pytestmark = [pytest.mark.registry]
+
+if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+    pytest.skip("needs root and /dev/fuse", allow_module_level=True)
+
+
+class LoopReader:
+    """Reads one file of a lazy mount whole, again and again, dropping its cached pages
+    each time (fadvise DONTNEED) so that every round asks the file system; records every
+    failure and the longest wait for one round."""
+
+    def __init__(self, path: Path, digest: str):
+        self.path, self.digest = path, digest
+        self.rounds = 0
+        self.failures: list[str] = []
+        self.longest = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            start = time.monotonic()
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    data = b""
+                    while chunk := os.read(fd, 1 << 20):
+                        data += chunk
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                if hashlib.sha256(data).hexdigest() != self.digest:
+                    self.failures.append(f"round {self.rounds}: wrong bytes ({len(data)})")
+            except OSError as e:
+                self.failures.append(f"round {self.rounds}: {e}")
+            self.longest = max(self.longest, time.monotonic() - start)
+            self.rounds += 1
+
+    def rounds_after(self, n: int, timeout: float = 60.0) -> None:
+        target = self.rounds + n
+        wait_for(lambda: self.rounds >= target or not self.thread.is_alive(), f"{n} more reads", timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def lazy_image(module_registry, tmp_path_factory):
+    root = tmp_path_factory.mktemp("takeover image")
+    src = f"docker://{module_registry.host}/takeover/img:gzip"
+    build_image([str(busybox_layer(root / "l1"))], src, ImageConfig(), plain_http=True, workdir=str(root))
+    dst = f"docker://{module_registry.host}/takeover/img:chunked"
+    convert(src, dst, plain_http=True)
+    with open_source(dst, plain_http=True) as s:
+        manifest = json.loads(s.get_root().data)
+    return dst.removeprefix("docker://"), manifest, root / "l1"
+
+
+@pytest.fixture
+def node_root(tmp_path):
+    root = tmp_path / "node root"
+    clients: list[FSClient] = []
+    yield root, clients
+    for client in clients:
+        client.release()  # (their supervisors restart nothing now)
+    fs = FSClient(str(root))
+    fs.stop()
+    answer = holder.ping(str(root))
+    if answer is not None:  # a test that failed before its server unmounted
+        holder.drop(str(root))
+        os.kill(int(answer["pid"]), signal.SIGTERM) if holder.ping(str(root)) else None
+    assert not os.path.ismount(fs.mnt)
+
+
+def test_kill_9_of_the_server_and_an_upgrade_lose_no_read(lazy_image, module_registry, node_root, monkeypatch,
+                                                         tmp_path):
+    ref, manifest, tree = lazy_image
+    node_root, clients = node_root
+    layers = RemoteLayers(str(node_root))
+    clients.append(layers.fs)
+    layers.start()  # the node's start: the server runs, supervised
+    lazy = Path(layers.prepare("k", "", layer_labels(ref, manifest["layers"][0])).path)
+    expected = hashlib.sha256((tree / "bin/busybox").read_bytes()).hexdigest()
+    wait_for(lambda: (holder.ping(str(node_root)) or {}).get("holding"), "the holder", timeout=10)
+    held = holder.ping(str(node_root))
+    assert held is not None
+    reader = LoopReader(lazy / "bin/busybox", expected)
+    reader.thread.start()
+    try:
+        reader.rounds_after(3)
+        ino = os.stat(lazy / "bin/busybox").st_ino
+        pauses = {}
+        # 1. kill -9 of shoal-fs: the supervisor starts a new one, which takes the session over
+        first = layers.fs.ping()["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: layers.fs.restarts >= 1, "the supervisor's restart", timeout=60)
+        second = layers.fs.ping()["pid"]
+        assert second != first
+        reader.rounds_after(5)
+        pauses["kill -9"], reader.longest = reader.longest, 0.0
+        assert reader.failures == [], reader.failures
+        log = (node_root / "logs/fs.log").read_text()
+        assert "taking over the FUSE session" in log
+        # 2. an upgrade: a node of another version hands the session over to a server of its own
+        layers.fs.release()  # (the old node goes)
+        monkeypatch.setenv("SHOAL_VERSION", "takeover-test-2")
+        upgraded = RemoteLayers(str(node_root))
+        clients.append(upgraded.fs)
+        upgraded.start()
+        third = upgraded.fs.ping()
+        assert third["pid"] not in (first, second) and third["version"] == "takeover-test-2"
+        reader.rounds_after(5)
+        pauses["upgrade"] = reader.longest
+        assert reader.failures == [], reader.failures
+        # the kernel's nodeids mean what they meant (the numbers come from ROOT and the TOC)
+        assert os.stat(lazy / "bin/busybox").st_ino == ino
+        # a new layer after the takeovers is served too (new containers work)
+        (tmp_path / "new/etc").mkdir(parents=True)
+        (tmp_path / "w").mkdir()
+        (tmp_path / "new/etc/hello").write_bytes(b"after the takeover\n")
+        mount, _ = prepare_tree(upgraded, module_registry.host, "takeover/new", tmp_path / "new", tmp_path / "w")
+        assert (mount / "etc/hello").read_bytes() == b"after the takeover\n"
+        assert holder.ping(str(node_root))["pid"] == held["pid"]  # one holder all along
+    finally:
+        reader.stop.set()
+        reader.thread.join(30)
+    assert reader.failures == [], reader.failures
+    print(f"\nreads: {reader.rounds}, failed: {len(reader.failures)}, longest read: "
+          + ", ".join(f"{k} {v:.3f}s" for k, v in pauses.items()))
+    upgraded.fs.stop()
+    wait_for(lambda: holder.ping(str(node_root)) is None, "the holder's exit at the stop", timeout=30)
+
+
+def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):
+    """kill -9 of the holder and of shoal-fs: nothing keeps the session, the mount is
+    dead (ENOTCONN). The next server detaches it and mounts anew (no FileExistsError on
+    ROOT/mnt), with the layers it served before."""
+    ref, manifest, tree = lazy_image
+    node_root, clients = node_root
+    layers = RemoteLayers(str(node_root))
+    clients.append(layers.fs)
+    lazy = Path(layers.prepare("d", "", layer_labels(ref, manifest["layers"][0])).path)
+    assert (lazy / "bin/busybox").read_bytes() == (tree / "bin/busybox").read_bytes()
+    wait_for(lambda: (holder.ping(str(node_root)) or {}).get("holding"), "the holder", timeout=10)
+    os.kill(int(holder.ping(str(node_root))["pid"]), signal.SIGKILL)
+    os.kill(layers.fs.ping()["pid"], signal.SIGKILL)
+    wait_for(lambda: _enotconn(lazy), "the dead mount", timeout=10)
+    layers.fs.ensure_running()
+    assert (lazy / "bin/busybox").read_bytes() == (tree / "bin/busybox").read_bytes()
+    assert "detached the mount left at" in (node_root / "logs/fs.log").read_text()
+
+
+def _enotconn(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+# --- test 1 of issue 15: containerd, a container reading in a loop ------------------------------
+
+LOOP = ("/bin/sh", "-c", ("while true; do if sha256sum /bin/busybox >> /out/reads; then :; "
+                          "else echo FAILED >> /out/reads; fi; done"))
+
+
+class Lines:
+    """Follows the container's output file from the host: every line, the time it came."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lines: list[str] = []
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        at = 0
+        while not self.stop.is_set():
+            with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+                f.seek(at)
+                data = f.read()
+                complete = data[:data.rfind(b"\n") + 1]
+                at += len(complete)
+                now = time.monotonic()
+                for line in complete.decode(errors="replace").splitlines():
+                    self.lines.append(line)
+                    self.times.append(now)
+            time.sleep(0.01)
+
+    def more(self, n: int, timeout: float = 120.0) -> None:
+        target = len(self.lines) + n
+        wait_for(lambda: len(self.lines) >= target, f"{n} more reads of the container", timeout=timeout)
+
+    def longest_gap(self, since: float) -> float:
+        times = [t for t in self.times if t >= since]
+        before = [t for t in self.times if t < since][-1:]
+        times = before + times
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+class PageDropper:
+    """Drops the kernel's cached pages of one file of a lazy mount, again and again
+    (fadvise on a descriptor held open: no request to the file system), so that the
+    container's every read of it reaches the layer file system."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        os.close(self.fd)
+
+
+def _status(root: Path) -> dict:
+    proc = subprocess.run([SHOAL, "status", "--root", str(root), "--json"], capture_output=True, text=True,
+                          check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _fs_pid(root: Path) -> int | None:
+    try:
+        return int(_status(root)["fs_server"]["pid"])
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _new_container_works(ctd, lazy: str, name: str) -> None:
+    """A new container from the lazy image runs (containerd reconnects to a restarted
+    snapshotter with a back-off: retried while it says unavailable)."""
+    for _ in range(80):
+        proc = ctd.ctr("run", "--rm", "--snapshotter", "shoal", lazy, name, "/bin/cat", "/etc/motd", check=False)
+        if proc.returncode == 0 or "unavailable" not in proc.stderr:
+            break
+        time.sleep(0.25)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "changed by the top layer\n"
+
+
+@pytest.mark.containerd
+def test_a_container_reads_on_through_kill_9_upgrade_and_kill_9_of_node_and_server(
+        module_registry, tmp_path_factory, monkeypatch):
+    """Issue 15, test 1: a container reads a lazy file in a loop (its cached pages dropped
+    all the time, so every read reaches shoal-fs); kill -9 of shoal-fs, an upgrade (the
+    node restarted with another version) and kill -9 of both the node and shoal-fs: the
+    reads go on after a pause, none fails, every hash is right, and new containers run."""
+    monkeypatch.delenv("SHOAL_VERSION", raising=False)
+    _, lazy, manifest = lazy_app_image(module_registry, tmp_path_factory.mktemp("takeover app"), "takeover/app",
+                                       ["/bin/true"])
+    out_dir = Path(tempfile.mkdtemp(prefix="shoal-takeover-out-"))
+    nodes: list[NodeProcess] = []
+    container = "takeover-loop"
+    with shoal_node_with_containerd("shoal-takeover-") as (node, ctd):
+        root = node.root
+        pulled = subprocess.run([SHOAL, "pull", lazy, "--address", ctd.address, "--namespace", "shoal-test"],
+                                capture_output=True, text=True, check=False)
+        assert pulled.returncode == 0, pulled.stderr
+        lines = Lines(out_dir / "reads")
+        dropper = None
+        try:
+            ctd.ctr("run", "-d", "--snapshotter", "shoal", "--mount",
+                    f"type=bind,src={out_dir},dst=/out,options=rbind:rw", lazy, container, *LOOP)
+            lines.thread.start()
+            lines.more(3)
+            busybox = root / "mnt" / manifest["layers"][0]["digest"].split(":")[1] / "bin/busybox"
+            expected = hashlib.sha256(busybox.read_bytes()).hexdigest()
+            dropper = PageDropper(busybox)
+            dropper.thread.start()
+            lines.more(5)
+            pauses: dict[str, float] = {}
+            held = _status(root)["fs_server"]["session_holder"]
+            assert held is not None
+            text = subprocess.run([SHOAL, "status", "--root", str(root)], capture_output=True, text=True, check=False)
+            assert f"its FUSE session held by pid {held}" in text.stdout
+
+            def after(event: str, since: float, old_pid: int | None) -> None:
+                wait_for(lambda: (pid := _fs_pid(root)) is not None and pid != old_pid,
+                         f"a new layer file system server after {event}", timeout=120, interval=0.2)
+                lines.more(10)
+                pauses[event] = lines.longest_gap(since)
+                _new_container_works(ctd, lazy, f"takeover-new-{len(pauses)}")
+
+            # 1. kill -9 of shoal-fs: the node restarts it, the new one takes the session over
+            pid = _fs_pid(root)
+            assert pid is not None
+            since = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            after("kill -9 of shoal-fs", since, pid)
+            assert "does not answer: restarting it" in node.log()
+            # 2. an upgrade: the node restarted with another version hands the session over
+            pid = _fs_pid(root)
+            node.stop()
+            monkeypatch.setenv("SHOAL_VERSION", "takeover-upgrade")
+            since = time.monotonic()
+            nodes.append(NodeProcess(root, node.socket, node.log_path, ("--config", str(root.parent / "node.toml"))))
+            after("upgrade", since, pid)
+            assert _status(root)["fs_server"]["pid"] != pid
+            assert "handing its session over" in node.log()
+            # 3. kill -9 of both shoal node and shoal-fs; a node started after takes over
+            pid = _fs_pid(root)
+            nodes[-1].kill()
+            since = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            nodes.append(NodeProcess(root, node.socket, node.log_path, ("--config", str(root.parent / "node.toml"))))
+            after("kill -9 of node and shoal-fs", since, pid)
+            # the container's reads did reach the layer file system (not the page cache alone)
+            first_layer = manifest["layers"][0]["digest"]
+            reads = sum(ly["reads"] for ly in _status(root)["lazy_layers"] if ly["digest"] == first_layer)
+            assert reads >= 10, reads
+            fs_log = (root / "logs/fs.log").read_text()
+            assert fs_log.count("taking over the FUSE session") == 3
+            assert _status(root)["fs_server"]["session_holder"] == held  # one holder through it all
+        finally:
+            if dropper is not None:
+                dropper.close()
+            ctd.ctr("task", "kill", "-s", "KILL", container, check=False)
+            lines.stop.set()
+            lines.thread.join(10)
+            for n in nodes:
+                n.stop()
+            ctd.ctr("container", "rm", container, check=False)
+    failed = [line for line in lines.lines if not line.startswith(f"{expected}  ")]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    assert failed == [], failed[:5]
+    print(f"\ncontainer reads: {len(lines.lines)}, failed: {len(failed)}; longest pause: "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in pauses.items()))
+
+
+def test_the_holder_hands_back_the_same_open_file_to_its_owner_alone(tmp_path):
+    """put/get/drop over ROOT/fs-holder.sock: the descriptor handed back is the same open
+    file (not a new open); another user cannot reach the holder; drop ends it."""
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    holder.start(str(root))
+    pid = int(holder.ping(str(root))["pid"])
+    r, w = os.pipe()
+    try:
+        assert holder.get(str(root)) is None  # holds nothing yet
+        holder.put(str(root), w, {"mnt": "/x", "negotiated": "{}"})
+        os.close(w)
+        w = -1
+        got = holder.get(str(root))
+        assert got is not None and got[1] == {"mnt": "/x", "negotiated": "{}"}
+        os.write(got[0], b"through the held descriptor")  # the pipe's write end, still open
+        os.close(got[0])
+        assert os.read(r, 100) == b"through the held descriptor"
+        assert oct(os.stat(root / holder.SOCKET_NAME).st_mode & 0o777) == "0o600"
+        child = os.fork()
+        if child == 0:  # another user: refused
+            try:
+                os.chmod(root, 0o755)  # (only the socket's own permissions and the peer check stay)
+                os.setgid(65534)
+                os.setuid(65534)
+                code = 0 if holder.ping(str(root)) is None and holder.get(str(root)) is None else 1
+            except BaseException:  # noqa: BLE001 - the exit code says it
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        os.chmod(root, 0o700)
+        assert os.waitstatus_to_exitcode(status) == 0
+        holder.drop(str(root))
+        wait_for(lambda: not _running(pid), "the holder's exit", timeout=10)
+        assert os.read(r, 100) == b""  # every write end closed: the holder's copy went with it
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        if _running(pid):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _running(pid: int) -> bool:
+    """Process `pid` runs (a zombie, exited and not reaped by this process, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
