@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   containerd runc docker-registry   # the runtime and the origin registry used in tests
   zstd gzip tar busybox-static      # reference compressors, test image contents
-  fuse3 libfuse3-dev pkg-config     # FUSE mounts (pyfuse3 builds against libfuse3)
+  fuse3 pkg-config                  # FUSE (fusermount; shoal-fs speaks /dev/fuse itself)
   gcc linux-libc-dev                # tests/test_fuse_protocol.py checks our FUSE layouts against <linux/fuse.h>
   skopeo podman                     # zstd:chunked interop checks
   apache2-utils openssl             # htpasswd and token auth for the registry tests
@@ -44,6 +44,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "install: Python packages into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -e '.[node,test]' 2>&1 | grep -v -i -e warning -e '^ *$' -e '!!' -e wheel_obj >&2 || true
-  .venv/bin/python -c 'import builder, cli.main, zstandard, pyfastcdc, fastcrc, pyfuse3, aiohttp, boto3, grpc'
+  .venv/bin/python -c 'import builder, cli.main, zstandard, pyfastcdc, fastcrc, aiohttp, boto3, grpc'
   touch "$stamp"
 fi
