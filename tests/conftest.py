@@ -33,6 +33,20 @@ import pytest
 
 from tests.services import REGISTRY_BIN
 
+# Under pytest-xdist (make test runs files on two workers): each worker gets a temporary
+# directory of its own, so that what one worker's tests look for there (an embedded
+# node's leftovers) is never another's. Processes the tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _tmp = Path("/tmp") / f"shoal-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+    _tmp.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TMPDIR"] = str(_tmp)
+    import atexit
+
+    atexit.register(shutil.rmtree, _tmp, True)
+    import tempfile
+
+    tempfile.tempdir = None  # (computed again from TMPDIR)
+
 TOKEN_SERVICE = "shoal-test-registry"
 TOKEN_ISSUER = "shoal-test-issuer"
 pytest_plugins = ["tests.fixtures_services"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def shoal(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def embedded_leftovers() -> list[str]:
-    dirs = [str(p) for p in Path("/tmp").glob("shoal-rec-*")]
+    dirs = [str(p) for p in Path(tempfile.gettempdir()).glob("shoal-rec-*")]
     return dirs + [p for p, _ in mounts() if "/shoal-rec-" in p]
 
 
@@ -140,14 +141,14 @@ def test_a_cancelled_recording_stops_everything_it_started(image):
     import time
 
     ref, _ = image
-    before = set(Path("/tmp").glob("shoal-rec-*"))
+    before = set(Path(tempfile.gettempdir()).glob("shoal-rec-*"))
     proc = subprocess.Popen([SHOAL, "profile", "record", ref, "--timeout", "300", "--out", "/dev/null", "--",
                              "/bin/sleep", "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         started = []
         while not started and time.monotonic() < deadline and proc.poll() is None:
-            started = [d for d in set(Path("/tmp").glob("shoal-rec-*")) - before if (d / "logs/container.log").exists()]
+            started = [d for d in set(Path(tempfile.gettempdir()).glob("shoal-rec-*")) - before if (d / "logs/container.log").exists()]
             time.sleep(0.1)
         assert started, proc.stderr.read() if proc.poll() is not None else "no container started"
         address = str(started[0] / "c.sock")
