@@ -40,6 +40,7 @@ log = logging.getLogger("shoal.embedded")
 CONTAINERD = "/usr/bin/containerd"
 CTR = "/usr/bin/ctr"
 NAMESPACE = "shoal-record"
+MAX_TMP_PATH = 40  # longer, and ROOT/.../containerd.sock.ttrpc may pass the 107 bytes of a unix socket path
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
 # containerd 1.6 puts its shims' sockets under /run/containerd whatever its configuration
@@ -102,7 +103,9 @@ class EmbeddedNode:
         for path, package in ((CONTAINERD, "containerd"), (CTR, "containerd"), ("/usr/sbin/runc", "runc")):
             if not os.access(path, os.X_OK):
                 raise ShoalError(f"an embedded node needs {path} (Debian package {package})")
-        self.dir = tempfile.mkdtemp(prefix="shoal-rec-", dir="/tmp")  # 0700
+        # $TMPDIR (a CI runner's own) when its paths leave room for the unix sockets under it, else /tmp
+        tmp = tempfile.gettempdir()
+        self.dir = tempfile.mkdtemp(prefix="shoal-rec-", dir=tmp if len(tmp) <= MAX_TMP_PATH else "/tmp")  # 0700
         try:
             self._start()
         except BaseException:

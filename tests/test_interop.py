@@ -20,6 +20,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -455,7 +456,8 @@ def podman(registry, tmp_path_factory):
         pytest.skip("podman tests run as root")
     _need(PODMAN)
     created = missing_dirs(*_PODMAN_RUN_DIRS)
-    store = Podman(tmp_path_factory.mktemp("podman"), registry.host)
+    base = Path(tempfile.mkdtemp(prefix="shoal-pm-", dir="/tmp"))  # podman wants a runroot of at most 50 bytes
+    store = Podman(base, registry.host)
     try:
         yield store
     finally:
