@@ -42,6 +42,10 @@ from tests.lab import netlab
 
 MiB = 1 << 20
 PIECE = 256 << 10  # the region's piece size for blobs this small (p2p/metainfo.py)
+# where a test asserts that bytes came from peers: a first read waits longer to meet its
+# peers, and a read longer for their pieces, than the defaults (0.5 s, 1 s), so that a
+# loaded machine (two test workers) does not send them to the region instead
+PATIENT = {"settle_wait": 5.0, "peer_wait": 5.0}
 
 
 _MISSING = netlab.lab_missing(fuse=True)
@@ -153,7 +157,7 @@ def test_a_blob_one_node_fetched_comes_from_peers(world, nodes):
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
     origin_before, region_before = world.origin_bytes(digest), world.region_bytes()
-    group = nodes(4)
+    group = nodes(4, swarm=PATIENT)
     mounts = _provide(world, group, image)
     assert _read(mounts[0], files) == files
     assert netlab.parallel(lambda m: _read(m, files), mounts[1:]) == [files] * 3
@@ -335,7 +339,7 @@ def test_node_and_region_metrics(world, nodes):
     image, files = world.image({"a.bin": 8 * MiB})
     [layer] = image.layers
     size = layer["size"]
-    a, b = nodes(2, metrics=True)
+    a, b = nodes(2, metrics=True, swarm=PATIENT)
     mount_a, mount_b = _provide(world, [a, b], image)
     assert _read(mount_a, files) == files
     assert _read(mount_b, files) == files
