@@ -339,26 +339,28 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
 
 
 def model(runs: list[dict]) -> list[dict]:
-    """The fitted model at 1,000 and 10,000 nodes (scenario a: linear in N, the origin
-    uplink carries N copies; shoal: linear in log2 N, one origin copy spread by the swarm)."""
+    """The fitted model at 1,000 and 10,000 nodes, per image and scenario, on the runs of
+    that image (at least two N): scenario a linear in N (the origin uplink carries N
+    copies), shoal linear in log2 N (one origin copy, spread by the swarm). Origin bytes:
+    a, N copies of the image; shoal, the measured copies (at most one)."""
     out = []
-    for scenario, shape in (("a", "N"), ("b", "log2 N"), ("c", "log2 N"), ("d", "log2 N")):
-        pts = [(r["nodes"] if shape == "N" else math.log2(r["nodes"]), r["p99_s"]) for r in runs
-               if r["scenario"] == scenario and r["p99_s"] is not None]
-        coef = fit(pts)
-        if coef is None:
-            continue
-        ratios = [r["origin_image_ratio"] for r in runs if r["scenario"] == scenario and r["origin_image_ratio"]]
-        for n in (1000, 10000):
-            t = n if shape == "N" else math.log2(n)
-            per_node_origin = (sum(ratios) / len(ratios) / max(1, runs[0]["nodes"])) if scenario == "a" else None
-            out.append({
-                "model": True, "scenario": scenario, "nodes": n, "shape": f"p99 = {coef[0]:.2f} + {coef[1]:.3f} * {shape}",
-                "p99_s": round(coef[0] + coef[1] * t, 1), "fitted_on": sorted({r["nodes"] for r in runs
-                                                                               if r["scenario"] == scenario}),
-                "origin_image_ratio": round(n * per_node_origin, 1) if per_node_origin else (
-                    round(max(ratios), 3) if ratios else None),
-            })
+    for image in sorted({r["image"] for r in runs}):
+        for scenario, shape in (("a", "N"), ("b", "log2 N"), ("c", "log2 N"), ("d", "log2 N")):
+            mine = [r for r in runs if r["image"] == image and r["scenario"] == scenario and r["p99_s"] is not None]
+            coef = fit([(r["nodes"] if shape == "N" else math.log2(r["nodes"]), r["p99_s"]) for r in mine])
+            if coef is None:
+                continue
+            per_node = [r["origin_image_ratio"] / r["nodes"] for r in mine if r["origin_image_ratio"] is not None]
+            copies = max((r["origin_image_ratio"] for r in mine if r["origin_image_ratio"] is not None), default=None)
+            for n in (1000, 10000):
+                t = n if shape == "N" else math.log2(n)
+                out.append({
+                    "model": True, "image": image, "scenario": scenario, "nodes": n,
+                    "shape": f"p99 = {coef[0]:.2f} + {coef[1]:.3f} * {shape}", "p99_s": round(coef[0] + coef[1] * t, 1),
+                    "fitted_on": sorted(r["nodes"] for r in mine),
+                    "origin_image_ratio": (round(n * sum(per_node) / len(per_node), 1) if scenario == "a" and per_node
+                                           else copies),
+                })
     return out
 
 
@@ -459,9 +461,9 @@ def report(f: dict) -> str:
                          f"(want <= {TARGET_ORIGIN})  {'PASS' if r['origin_bytes_ratio'] <= TARGET_ORIGIN else 'MISS'}")
     if f["model"]:
         lines += ["", "MODEL (not measured): fitted on the runs above",
-                  common.table(["scen", "N", "p99 s", "origin/image", "fit", "fitted on N"],
-                               [[m["scenario"], m["nodes"], m["p99_s"], m["origin_image_ratio"], m["shape"],
-                                 m["fitted_on"]] for m in f["model"]])]
+                  common.table(["image", "scen", "N", "p99 s", "origin/image", "fit", "fitted on N"],
+                               [[m["image"].split(" (")[0][:40], m["scenario"], m["nodes"], m["p99_s"],
+                                 m["origin_image_ratio"], m["shape"], m["fitted_on"]] for m in f["model"]])]
     return "\n".join(lines)
 
 
