@@ -40,12 +40,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _tmp = Path("/tmp") / f"shoal-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
     _tmp.mkdir(mode=0o700, exist_ok=True)
     os.environ["TMPDIR"] = str(_tmp)
-    import atexit
-
-    atexit.register(shutil.rmtree, _tmp, True)
     import tempfile
 
     tempfile.tempdir = None  # (computed again from TMPDIR)
+
+
+
+def pytest_unconfigure(config) -> None:
+    """A worker's temporary directory goes with the worker (xdist ends workers without
+    running atexit handlers)."""
+    tmp = os.environ.get("TMPDIR", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.path.basename(tmp).startswith("shoal-gw"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
 
 TOKEN_SERVICE = "shoal-test-registry"
 TOKEN_ISSUER = "shoal-test-issuer"
