@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import signal
 import sys
 import tempfile
@@ -411,14 +410,7 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                 "images": images, "runs": runs, "model": model(runs)}
     finally:
         signal.signal(signal.SIGTERM, old)
-        procs.stop_all()
-        stuck = services.unmount_under(work)
-        if stuck:
-            common.say(f"cleanup: still mounted under {work}: {stuck}")
-        if keep:
-            common.say(f"work directory kept: {work}")
-        elif not stuck:
-            shutil.rmtree(work, ignore_errors=True)
+        lazy_start.finish(work, procs, keep)
 
 
 def report(f: dict) -> str:

@@ -580,14 +580,20 @@ def measure(quick: bool, links: list[str], keep: bool) -> dict:
         }
     finally:
         signal.signal(signal.SIGTERM, old)
-        procs.stop_all()
-        stuck = services.unmount_under(work)
-        if stuck:
-            common.say(f"cleanup: still mounted under {work}: {stuck}")
-        if keep:
-            common.say(f"work directory kept: {work}")
-        elif not stuck:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(work, procs, keep)
+
+
+def finish(work: Path, procs: Procs, keep: bool) -> None:
+    """A benchmark's end, also on failure: everything it started stopped by PID, mounts
+    under its work directory undone, the directory removed (or kept, with `keep`)."""
+    procs.stop_all()
+    stuck = services.unmount_under(work)
+    if stuck:
+        common.say(f"cleanup: still mounted under {work}: {stuck}")
+    if keep:
+        common.say(f"work directory kept: {work}")
+    elif not stuck:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def mb(n: int | None) -> str:
