@@ -78,8 +78,8 @@ LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 RETRY_FIRST, RETRY_MAX = 60.0, 3600.0  # seconds between failed background attempts
 BAD_REMOVAL_WAIT = 5.0  # seconds a Prepare that finds a bad target waits for the worker to remove it
-BAD_SWEEP = 10.0
-PARENT_HOLD = 600.0  # seconds containerd keeps a removed bad chain's parent for the next pull  # seconds between looks for bad chains no container uses any more
+BAD_SWEEP = 10.0  # seconds between looks for bad chains no container uses any more
+PARENT_HOLD = 600.0  # seconds containerd keeps a removed bad chain's parent for the next pull
 BACKGROUND_TIMEOUT = 6 * 3600.0  # a background proof of a huge blob at low priority
 
 
@@ -403,7 +403,12 @@ class ChainProofs:
                             parent = tx.find(r.parent) if r.parent else None
                         self._containerd.forget(r.key, chain_id_of(parent) if parent else "")
                 except (ShoalError, OSError) as e:
-                    log.warning("cannot remove snapshot %s from containerd: %s", r.key, e)
+                    # removed here alone, containerd would go on listing it, and the next pull
+                    # would find it and stack on a snapshot that is not there: it stays (bad,
+                    # refused) until the next sweep removes it from both
+                    log.warning("bad chain %s stays for now: cannot remove it from containerd (%s); trying again "
+                                "in %.0fs", chain_id_of(r), e, BAD_SWEEP)
+                    return
                 try:
                     self._remove(r.key, r.id)
                     log.warning("removed %s (%s): it stands on a bad lazy layer", chain_id_of(r), r.key)
@@ -545,7 +550,8 @@ class ContainerdImages:
         (so that its next pull prepares it again instead of finding it). Its parent chain
         `parent` is held there for PARENT_HOLD seconds first: with `key` gone, no image
         may reference it, and containerd's garbage collection would take it while the
-        next pull's unpacker, which found it, stacks on it."""
+        next pull's unpacker, which found it, stacks on it. TransportError when a namespace
+        that has it could not be told (the others are)."""
         from snapshotter.pull import _RpcFailure
 
         ctr = self._connect("default")
@@ -553,6 +559,7 @@ class ContainerdImages:
             namespaces = ctr.namespaces()
         finally:
             ctr.close()
+        failed = []
         for namespace in namespaces:
             ctr = self._connect(namespace)
             try:
@@ -564,9 +571,11 @@ class ContainerdImages:
                     ctr.remove_snapshot(self.snapshotter, key)
                     log.info("removed snapshot %s from containerd's namespace %s", key, namespace)
             except _RpcFailure as e:
-                log.warning("cannot remove snapshot %s from containerd's namespace %s: %s", key, namespace, e)
+                failed.append(f"namespace {namespace}: {e}")
             finally:
                 ctr.close()
+        if failed:
+            raise TransportError("; ".join(failed))
 
     def _layers(self, ctr, media_type: str, digest: str) -> list[tuple[str, str]]:
         """[(chain, layer digest)] of the image whose target is `digest` (this machine's

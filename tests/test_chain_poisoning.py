@@ -330,11 +330,15 @@ def test_a_pending_proof_is_taken_up_again_after_a_node_restart(images, node_fac
             # no image references any more (containerd's garbage collection)
             wait_for(lambda: top not in {c["chain"] for c in status(node)["chains"]},
                      "the proofs after the restart", timeout=60, interval=0.3)
+            # removed from containerd's metadata as well (a chain removed from the node alone
+            # would still be found there by the next pull, which would stack on nothing)
+            assert top not in ctd.ctr("snapshots", "--snapshotter", "shoal", "ls").stdout
             log = node.log_path.read_text()
             assert f"chain {base} (layer {_layers(images['attacker-lazy'])[0]}" in log and "): proven" in log
             assert f"was provided as chain {top}" in log
             refused = shoal_pull(images["attacker-lazy"], ctd)
-            assert refused.returncode == 1 and "cannot be chain" in one_line(refused.stderr)
+            assert refused.returncode == 1 and "cannot be chain" in one_line(refused.stderr), (
+                refused.stdout + refused.stderr + node.log_path.read_text()[-6000:])
         finally:
             again.stop()
 
