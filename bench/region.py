@@ -193,11 +193,20 @@ def stop_region(region: subprocess.Popen) -> None:
     region.stdout.close()
 
 
-def read_range(host: str, port: int, digest: str, start: int, end: int, ca: str = "") -> tuple[float, bytes]:
+def read_range(host: str, port: int, digest: str, start: int, end: int, ca: str = "",
+               first: tuple[str, int, int] | None = None) -> tuple[float, bytes]:
     """(seconds, body) of one GET of bytes [start, end) on a new connection (with its TLS
-    handshake when `ca` is given), as a node's first request makes it."""
+    handshake when `ca` is given), as a node's first request makes it; with `first`
+    (digest, start, end), on a connection kept alive after that read (not timed), as a
+    node's later requests are made."""
     t0 = time.perf_counter()
     conn = _connection(host, port, 300, ca)
+    if first is not None:
+        conn.request("GET", f"/v2/{REPOSITORY}/blobs/{first[0]}", headers={"Range": f"bytes={first[1]}-{first[2] - 1}"})
+        warm = conn.getresponse()
+        if warm.status != 206 or len(warm.read()) != first[2] - first[1]:
+            raise RuntimeError(f"HTTP {warm.status} for the first read on the connection")
+        t0 = time.perf_counter()
     conn.request("GET", f"/v2/{REPOSITORY}/blobs/{digest}", headers={"Range": f"bytes={start}-{end - 1}"})
     resp = conn.getresponse()
     body = resp.read()
@@ -248,8 +257,9 @@ def run_tail(work: Path, registry, digest: str, size: int, blob_path: Path, samp
 
 _LAB_READ = ("import hashlib, json, sys\n"
              "from bench.region import read_range, region_status\n"
-             "h, p, d, a, b, st, ca = sys.argv[1:]\n"
-             "s, body = read_range(h, int(p), d, int(a), int(b), ca)\n"
+             "h, p, d, a, b, st, ca, first = sys.argv[1:]\n"
+             "f = first.split(',')\n"
+             "s, body = read_range(h, int(p), d, int(a), int(b), ca, (f[0], int(f[1]), int(f[2])) if first else None)\n"
              "status = region_status(int(p), h, ca) if st == 'status' else None\n"
              "print(json.dumps({'seconds': s, 'sha': hashlib.sha256(body).hexdigest(), 'status': status}))\n")
 
@@ -265,6 +275,7 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
     warm_size = 16 << 20
     warm_digest = make_blob(work / "warm-blob", warm_size, seed=99)
     origin_times, region_times, fill_at_answer = [], [], []
+    kept_origin, kept_region = [], []
     origin_ratio = None
     with netlab.Lab() as lab:
         origin_host, client = lab.add_node(), lab.add_node()
@@ -273,9 +284,10 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
         netlab.push_blob(lab, registry, REPOSITORY, work / "warm-blob", warm_digest)
         lab.cap(origin_host, mbit)
 
-        def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False, ca: str = "") -> dict:
+        def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False, ca: str = "",
+                 first: str = "") -> dict:
             out = lab.run(client, [sys.executable, "-c", _LAB_READ, host, str(port), blob, str(a), str(b),
-                                   "status" if then_status else "-", ca],
+                                   "status" if then_status else "-", ca, first],
                           timeout=600, cwd=REPO, env=netlab._env())
             if out.returncode != 0:
                 raise RuntimeError(f"lab read: {out.stderr[-1000:]}")
@@ -291,32 +303,53 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
             return st
 
         ohost, oport = registry.host.split(":")
-        for i in range(samples):
-            got = read(ohost, int(oport), digest, start, end)
-            if got["sha"] != want:
-                raise RuntimeError("the origin answered wrong bytes")
-            origin_times.append(got["seconds"])
+        warm_first = f"{warm_digest},{warm_size - (1 << 20)},{warm_size}"
+
+        def cold_region(i: int, kept: bool) -> dict:
+            """The tail through a fresh region that served the warm blob's tail first: on
+            a new connection, or (`kept`) on a connection that read the warm blob (stored
+            by then) first."""
             config = f"fill_window = {json.dumps(fill_window)}\n" if fill_window else ""
-            region = netlab.start_region(lab, work / f"lab-region-{i}", registry, port=5080 + i, config=config)
+            name = f"lab-region-{i}{'-kept' if kept else ''}"
+            region = netlab.start_region(lab, work / name, registry, port=5080 + 2 * i + kept, config=config)
             rhost, rport = region.url.split("://", 1)[1].split(":")
             try:  # (HTTPS, the region's default: the origin is plain HTTP, so the region pays a handshake more)
                 read(rhost, int(rport), warm_digest, warm_size - (1 << 20), warm_size, ca=region.ca)
-                before = idle(region)
-                got = read(rhost, int(rport), digest, start, end, then_status=True, ca=region.ca)
-                st = got["status"]
+                before = idle(region)  # (kept: the connection's first read is that blob's, a hit)
+                got = read(rhost, int(rport), digest, start, end, then_status=True, ca=region.ca,
+                           first=warm_first if kept else "")
                 if got["sha"] != want:
                     raise RuntimeError("the region answered wrong bytes")
-                region_times.append(got["seconds"])
+                if kept:
+                    return got
+                st = got["status"]
                 fill = st.get("filling", {}).get(digest)
-                fill_at_answer.append(fill["written"] if fill else size)
+                got["fill_at_answer"] = fill["written"] if fill else size
                 if i == samples - 1:
                     st = idle(region)
-                    origin_ratio = sum(st[k] - before[k] for k in ("origin_bytes", "origin_range_bytes")) / size
+                    got["origin_ratio"] = sum(st[k] - before[k] for k in ("origin_bytes", "origin_range_bytes")) / size
+                return got
             finally:
                 lab.kill(region.proc, signal.SIGTERM)
-                shutil.rmtree(work / f"lab-region-{i}", ignore_errors=True)
+                shutil.rmtree(work / name, ignore_errors=True)
+
+        for i in range(samples):
+            for first, times in (("", origin_times), (warm_first, kept_origin)):
+                got = read(ohost, int(oport), digest, start, end, first=first)
+                if got["sha"] != want:
+                    raise RuntimeError("the origin answered wrong bytes")
+                times.append(got["seconds"])
+            got = cold_region(i, False)
+            region_times.append(got["seconds"])
+            fill_at_answer.append(got["fill_at_answer"])
+            origin_ratio = got.get("origin_ratio", origin_ratio)
+            kept_region.append(cold_region(i, True)["seconds"])
     figures = _tail_figures(start, end, samples, origin_times, region_times, fill_at_answer, origin_ratio)
-    figures["origin_mbit"] = mbit
+    origin_kept_s, region_kept_s = statistics.median(kept_origin), statistics.median(kept_region)
+    figures.update(origin_mbit=mbit, origin_kept_s=round(origin_kept_s, 4), region_cold_kept_s=round(region_kept_s, 4),
+                   kept_ratio=round(region_kept_s / origin_kept_s, 2),
+                   origin_kept_times_s=[round(t, 4) for t in kept_origin],
+                   region_kept_times_s=[round(t, 4) for t in kept_region])
     return figures
 
 
@@ -458,6 +491,9 @@ def report_tail(tail: dict, size: int, as_json: bool) -> int:
     at = ", ".join(f"{n >> 20} MiB" for n in tail["fill_bytes_at_answer"])
     print(f"region / origin: {tail['ratio']:.2f}x (target at most 1.5x); the region's fill had "
           f"written {at} when each answer came; origin bytes per blob byte: {tail['origin_bytes_per_blob_byte']}")
+    if "kept_ratio" in tail:
+        print(f"on a connection kept alive (as a node's requests after its first): origin {tail['origin_kept_s']:.4f} s, "
+              f"region {tail['region_cold_kept_s']:.4f} s: {tail['kept_ratio']:.2f}x")
     return 0
 
 

@@ -482,6 +482,45 @@ def test_basic_auth_private_blob_is_served_only_to_clients_the_origin_would_serv
     assert origin_gets(reg, digest) == 1
 
 
+def test_a_cold_blobs_first_far_range_read_is_its_access_check(basic_registry, region_factory, tmp_path,
+                                                                docker_config):
+    """A range far into a cold blob (a lazy start's TOC) costs one origin round trip,
+    not a HEAD and then a range read: the range read, made with the client's
+    credentials, is the access check. The origin's refusal is the client's answer (and
+    remembered), with no byte of the blob; the blob is served only under a repository
+    it is in; the fill that starts from it commits one verified copy."""
+    reg = basic_registry
+    data = random.Random(16).randbytes(12 << 20)
+    digest = push_blob(reg, "team-a/private", data, tmp_path, docker_config)
+    push_blob(reg, "team-b/private", b"team b's own layer", tmp_path, docker_config)
+    region = region_factory(reg)
+    good = basic(reg.username, reg.password)
+    far = {"Range": f"bytes={9 << 20}-{(10 << 20) - 1}"}
+    heads = reg.count("HEAD", f"/blobs/{digest}")[0]  # (the push's)
+
+    r = get(region, "team-a/private", digest, far)  # anonymous
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"].lower().startswith("basic")
+    assert data[9 << 20:(9 << 20) + 100] not in r.content
+    r = get(region, "team-a/private", digest, {"Authorization": basic(reg.username, "wrong"), **far})
+    assert r.status_code in (401, 403)
+    r = get(region, "team-a/private", digest, {"Authorization": good, **far})
+    assert r.status_code == 206 and r.content == data[9 << 20:10 << 20]
+    stats = region.stats()
+    assert stats["auth_checks"] == 0 and stats["range_probes"] == 3, stats  # no HEAD at all
+    assert reg.count("HEAD", f"/blobs/{digest}")[0] == heads
+    r = get(region, "team-a/private", digest, far)  # the refusal is remembered
+    assert r.status_code == 401
+    # under a repository the blob is not in: the origin's 404, never the bytes
+    r = get(region, "team-b/private", digest, {"Authorization": good, **far})
+    assert r.status_code == 404 and data[9 << 20:(9 << 20) + 100] not in r.content
+
+    stats = region.wait_idle()
+    assert stats["fills_committed"] == 1 and region.backend.contains(digest)
+    assert stats["origin_bytes"] + stats["fill_reused_bytes"] == len(data)
+    r = get(region, "team-a/private", digest, {"Authorization": good})
+    assert r.status_code == 200 and r.content == data
+
+
 def test_token_auth_origin(token_registry, region_factory, tmp_path, docker_config):
     reg = token_registry
     data = random.Random(7).randbytes(150_000)

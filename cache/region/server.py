@@ -24,7 +24,9 @@ Blob requests, in order:
    blob must belong to the repository at the origin (remembered per (repository,
    digest)). So a cached private blob is served only to a client that the origin would
    have served, and never under a repository it does not belong to. When the origin
-   cannot be asked and nothing is remembered, the answer is 503 (fail closed).
+   cannot be asked and nothing is remembered, the answer is 503 (fail closed). The
+   first range far into a cold blob (past `fill_window`) is its own check: its origin
+   range read, with the client's credentials, tells the same as the HEAD (_probe).
 2. Hit: the backend has the blob; it is streamed from there. A stored copy is proven
    once per process: at the fill that committed it, else at its first use after a
    (re)start. A whole-blob answer from an unproven copy is hashed as it goes out and
@@ -104,7 +106,7 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _MAX_REMEMBERED = 100_000
 RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
-_AHEAD_PIECE = 256 << 10  # bytes a range read hands on at a time (clients get them as they come)
+_AHEAD_PIECE = 64 << 10  # bytes a range read hands on at a time (clients get them as they come)
 MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range reads' bytes
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
@@ -154,6 +156,14 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
+def explicit_range(header: str | None) -> tuple[int, int] | None:
+    """[start, end) of a `bytes=a-b` range with both ends given (what nodes ask), else None."""
+    m = _RANGE_RE.match((header or "").strip().replace(" ", ""))
+    if not m or not m.group(1) or not m.group(2) or int(m.group(2)) < int(m.group(1)):
+        return None
+    return int(m.group(1)), int(m.group(2)) + 1
+
+
 @dataclass
 class _Remembered:
     expires: float
@@ -196,6 +206,13 @@ class AccessCache:
             self._stats["auth_coalesced"] += 1
         return await asyncio.shield(fut)
 
+    def known(self, repo: str, digest: str, authorization: str | None) -> bool:
+        """Whether check() would answer from what is remembered, without the origin."""
+        now = time.monotonic()
+        seen = self._access.get((credentials_key(authorization), repo))
+        link = self._links.get((repo, digest))
+        return seen is not None and seen.expires > now and (not seen.allowed or (link is not None and link[0] > now))
+
     async def _ask_origin(self, key: tuple[str, str], repo: str, digest: str, authorization: str | None) -> int | None:
         self._stats["auth_checks"] += 1
         try:
@@ -204,9 +221,16 @@ class AccessCache:
             raise HTTPFailure(503, "UNAVAILABLE",
                               f"cannot check access at the origin {self._upstream.host}: {_describe(exc)}") from None
         async with resp:
-            status = resp.status
             length = resp.headers.get("Content-Length", "")
-            challenge = resp.headers.get("WWW-Authenticate", "")
+            return self.learn(repo, digest, authorization, resp.status,
+                              int(length) if length.isdigit() else None, resp.headers.get("WWW-Authenticate", ""))
+
+    def learn(self, repo: str, digest: str, authorization: str | None, status: int, size: int | None,
+              challenge: str = "") -> int | None:
+        """Remember the origin's answer to a request for the blob with these credentials
+        (the HEAD of check(), or the first range read of a cold blob, which tells the same:
+        status 200 or 206 and the blob's size): the size, or HTTPFailure as check() raises."""
+        key = (credentials_key(authorization), repo)
         self._forget_old()
         now = time.monotonic()
         if status in (401, 403):
@@ -218,9 +242,8 @@ class AccessCache:
         if status == 404:
             self._access[key] = _Remembered(now + self._ttl, True)
             raise HTTPFailure(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repo} at the origin")
-        if status != 200:
+        if status not in (200, 206):
             raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered HTTP {status} for {repo}@{digest}")
-        size = int(length) if length.isdigit() else None
         self._access[key] = _Remembered(now + self._ttl, True)
         self._links[(repo, digest)] = (now + self._ttl, size)
         return size
@@ -400,6 +423,7 @@ class RegionCache:
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="region-io")
         self._block = config.block_size
         self._fills: dict[str, Fill] = {}
+        self._probes: dict[str, asyncio.Future] = {}  # digest -> its first range read's answer (_probe)
         # digests whose last fill took range reads' bytes and failed its digest check: their
         # next fill fetches every byte itself (a broken range answer must not keep a blob
         # out of the cache for good); bounded, oldest forgotten first
@@ -421,6 +445,7 @@ class RegionCache:
             "denied", "not_found", "errors", "aborted", "proxied",
             "store_checks", "store_verify_failures", "store_check_reports",
             "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed", "fill_reused_bytes",
+            "range_probes",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.extensions: list[Extension] = []  # services mounted beside the cache (mount())
@@ -573,6 +598,9 @@ class RegionCache:
             raise HTTPFailure(404, "BLOB_UNKNOWN", f"this region cache serves {self.upstream.host}, not {ns}")
         authorization = request.headers.get("Authorization")
         size = None
+        probed = await self._probe(request, name, digest, authorization, note)
+        if probed is not None:
+            return probed
         if self.config.auth.check:
             size = await self.access.check(name, digest, authorization)
 
@@ -595,6 +623,7 @@ class RegionCache:
             return web.Response(status=200, headers=_blob_headers(digest, size))
 
         # a miss: join or start the fill
+        await self._after_probe(digest)
         fill = self._fills.get(digest)
         if fill is None:
             fill = self._start_fill(name, digest, authorization, size)
@@ -604,6 +633,75 @@ class RegionCache:
             note["how"] = "coalesced"
         self.stats["misses"] += 1
         return await self._serve_fill(request, fill, note, authorization)
+
+    async def _probe(self, request: web.Request, name: str, digest: str, authorization: str | None,
+                     note: dict) -> web.StreamResponse | None:
+        """A range far into a cold blob (a lazy start's TOC) when nothing tells the blob's
+        size and these credentials' right to it: its origin range read, with the client's
+        credentials, is the access check as well (the origin's answer to it says what its
+        answer to the HEAD would: allowed or not, the blob in the repository or not, and
+        the blob's size), so the client waits for one origin round trip instead of two.
+        The fill starts with that size and the read is the fill's first range read; its
+        answer goes to the client once the origin allowed it, as any range read's does.
+        None: not that case (or the origin's answer was no range), go the usual way.
+        Clients of the same blob that come meanwhile wait for it, then go the usual way
+        (their credentials checked, or remembered; the range read joined)."""
+        await self._after_probe(digest)
+        span = explicit_range(request.headers.get("Range"))
+        if (request.method != "GET" or span is None or span[0] <= self.config.fill_window
+                or digest in self._fills or (self.config.auth.check and self.access.known(name, digest, authorization))):
+            return None
+        done = asyncio.get_running_loop().create_future()
+        self._probes[digest] = done
+        try:
+            if await self._run(self._stored, digest):
+                return None
+            start, end = span
+            asked = f"bytes={start}-{end - 1}"
+            self.stats["range_probes"] += 1
+            try:
+                resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name,
+                                                   {"Range": asked})
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise HTTPFailure(503, "UNAVAILABLE", f"origin {self.upstream.host}: {_describe(exc)}") from None
+            try:
+                answered = check_content_range(resp.headers.get("Content-Range", ""), start, end) \
+                    if resp.status == 206 else None
+            except ContentRangeError:
+                answered = None
+            if answered is None or answered.total is None or answered.last != end - 1:
+                # refused (remembered, and raised here), or no plain answer to this range (the
+                # origin ignores Range, or the range passes the blob's end): the usual way
+                try:
+                    if resp.status in (401, 403, 404):
+                        self.access.learn(name, digest, authorization, resp.status, None,
+                                          resp.headers.get("WWW-Authenticate", ""))
+                finally:
+                    resp.close()
+                return None
+            self.access.learn(name, digest, authorization, 206, answered.total)
+            fill = self._start_fill(name, digest, authorization, answered.total)
+            read = RangeRead(start, end)
+            fill.ranges.append(read)
+            self._start_range(fill, read, authorization, resp)
+            note["how"], note["ahead"] = "ahead-probe", True
+            self.stats["misses"] += 1
+        finally:
+            del self._probes[digest]
+            done.set_result(None)
+        return await self._serve_fill(request, fill, note, authorization)
+
+    async def _after_probe(self, digest: str) -> None:
+        """Until no probe of `digest` runs (one starts the blob's fill: nobody else may)."""
+        while (running := self._probes.get(digest)) is not None:
+            await asyncio.shield(running)
+
+    def _stored(self, digest: str) -> bool:
+        """In a worker thread: whether the backend has a copy (if it cannot tell: no)."""
+        try:
+            return self.backend.contains(digest)
+        except BackendError:
+            return False
 
     async def _origin_size(self, name: str, digest: str, authorization: str | None) -> int:
         try:
@@ -1071,16 +1169,22 @@ class RegionCache:
         for a, b in fill.gaps(pos, end):
             r = RangeRead(a, b)
             fill.ranges.append(r)
-            task = asyncio.ensure_future(self._run_range(fill, r, authorization))
-            fill._tasks.add(task)
-            self._fill_tasks.add(task)  # cancelled at cleanup, as fills are
-            task.add_done_callback(fill._tasks.discard)
-            task.add_done_callback(self._fill_tasks.discard)
+            self._start_range(fill, r, authorization)
         return fill.bringing(pos)
 
-    async def _run_range(self, fill: Fill, read: RangeRead, authorization: str | None) -> None:
+    def _start_range(self, fill: Fill, read: RangeRead, authorization: str | None,
+                     opened: aiohttp.ClientResponse | None = None) -> None:
+        task = asyncio.ensure_future(self._run_range(fill, read, authorization, opened))
+        fill._tasks.add(task)
+        self._fill_tasks.add(task)  # cancelled at cleanup, as fills are
+        task.add_done_callback(fill._tasks.discard)
+        task.add_done_callback(self._fill_tasks.discard)
+
+    async def _run_range(self, fill: Fill, read: RangeRead, authorization: str | None,
+                         opened: aiohttp.ClientResponse | None = None) -> None:
         """Fetch [read.start, read.end) of the blob from the origin as a range into the
-        fill's staging file (above its frontier). Not verified: a range cannot be; the
+        fill's staging file (above its frontier), or read it from `opened`, the origin's
+        answer to that range already (_probe). Not verified: a range cannot be; the
         node checks every chunk it reads (docs/cache.md)."""
         digest, name = fill.digest, fill.repo
         what = f"{name}@{digest} bytes {read.start}-{read.end - 1}"
@@ -1088,8 +1192,8 @@ class RegionCache:
         self.stats["range_reads"] += 1
         try:
             try:
-                resp = await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization, name,
-                                                   {"Range": f"bytes={read.start}-{read.end - 1}"})
+                resp = opened or await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization,
+                                                             name, {"Range": f"bytes={read.start}-{read.end - 1}"})
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise HTTPFailure(502, "ORIGIN_ERROR", f"origin {self.upstream.host}: {what}: {_describe(exc)}") from None
             async with resp:
