@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from builder.oci.documents import parse_index, parse_manifest
 from cache.region.server import RegionCache
 from cache.region.tls import TOKEN_HEADER
 from prefetch.client import API_TOKEN_HEADER, PREFIX  # (the token on every /jobs and GET /nodes call)
-from shoal.errors import UsageError
+from shoal.errors import FormatError, UsageError
 from shoal.mediatypes import ACCEPT_MANIFESTS
 from shoal.metrics import Metric
 
@@ -72,6 +73,8 @@ MAX_NODES = 100_000
 MAX_JOBS = 1000  # jobs remembered; the oldest finished ones are forgotten first
 MAX_MANIFEST = 8 << 20
 REFRESH_EVERY = 0.25  # seconds between two scans of one job's nodes
+MAX_PLATFORMS = 16  # platform manifests of an index whose layers a profile job holds (hold_fills)
+HOLD_MARGIN = 30.0  # seconds a profile job's hold outlasts its timeout (a job nobody asks about ends late)
 NODE_STATES = ("warming", "warm", "failed", "timeout")  # what a node may report
 FINAL = ("timeout", "failed", "cancelled")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -136,6 +139,7 @@ class Job:
     ended: float | None = None
     origin_bytes: int = 0
     region_bytes: int = 0
+    held: list[str] = field(default_factory=list)  # blobs the region fills by ranges only while it runs
 
     @property
     def needed(self) -> int:
@@ -335,6 +339,8 @@ class PreheatService:
         job.state, job.ended = state, time.monotonic()
         origin, served = self._origin_counters()
         job.origin_bytes, job.region_bytes = origin - job.origin_start, served - job.served_start
+        self.cache.release_fills(job.held)  # their fills fetch the rest now: one copy in the region
+        job.held = []
         log.info("preheat job %s (%s, %s): %s, %d of %d nodes warm, origin bytes %d", job.id, job.image,
                  job.mode, state, sum(n.state == "warm" for n in job.nodes.values()), len(job.nodes),
                  job.origin_bytes)
@@ -351,11 +357,38 @@ class PreheatService:
             done = [j for j in self.jobs.values() if not j.active] or list(self.jobs.values())
             del self.jobs[min(done, key=lambda j: j.created).id]
 
-    async def _resolve(self, want: dict, authorization: str | None) -> str:
-        """The image's manifest digest at the origin, read with the caller's credentials
-        (the origin's refusal is the answer); the bytes checked against their digest."""
+    async def _resolve(self, want: dict, authorization: str | None) -> tuple[str, bytes]:
+        """The image's manifest digest at the origin, and its bytes, read with the
+        caller's credentials (the origin's refusal is the answer); the bytes checked
+        against their digest."""
+        digest, data = await self._manifest(want["repository"], want["reference"], want["image"], authorization)
+        if want["digest"] and want["digest"] != digest:
+            raise Refused(502, f"the origin's manifest of {want['image']} has digest {digest}")
+        return digest, data
+
+    async def _layers(self, repo: str, data: bytes, image: str, authorization: str | None) -> list[str]:
+        """The layer digests the image's manifest names (every platform's, for an index:
+        the nodes pick theirs), or [] when they cannot be read (the job goes on, its
+        blobs filled whole)."""
+        try:
+            doc = json.loads(data)
+            if isinstance(doc, dict) and "manifests" in doc:
+                out: list[str] = []
+                for entry in parse_index(data, image).manifests[:MAX_PLATFORMS]:
+                    digest, child = await self._manifest(repo, entry.digest, image, authorization)
+                    if digest != entry.digest:
+                        raise FormatError(f"manifest {entry.digest} of {image} has digest {digest}")
+                    out += [d.digest for d in parse_manifest(child, image).layers]
+                return out
+            return [d.digest for d in parse_manifest(data, image).layers]
+        except (ValueError, FormatError, Refused) as exc:
+            log.warning("preheat of %s: cannot read its layers (%s): its blobs are filled whole", image, exc)
+            return []
+
+    async def _manifest(self, repo: str, reference: str, image: str, authorization: str | None) -> tuple[str, bytes]:
+        """(digest, bytes) of manifest `reference` of `repo` at the origin (Refused: the
+        origin's refusal, or a manifest that is not one)."""
         upstream = self.cache.upstream
-        repo, reference = want["repository"], want["reference"]
         try:
             resp = await upstream.request("GET", f"/v2/{repo}/manifests/{reference}", authorization, repo,
                                           {"Accept": ACCEPT_MANIFESTS})
@@ -367,18 +400,15 @@ class PreheatService:
                 raise Refused(resp.status, f"the origin refuses access to {repo} (HTTP {resp.status})",
                               {"WWW-Authenticate": hdr} if hdr else None)
             if resp.status == 404:
-                raise Refused(404, f"image {want['image']} is not at the origin (HTTP 404)")
+                raise Refused(404, f"image {image} is not at the origin (HTTP 404)")
             if resp.status != 200:
-                raise Refused(502, f"origin answered HTTP {resp.status} for {want['image']}")
+                raise Refused(502, f"origin answered HTTP {resp.status} for {image}")
             data = b""
             async for piece in resp.content.iter_chunked(64 << 10):
                 data += piece
                 if len(data) > MAX_MANIFEST:
-                    raise Refused(502, f"the origin's manifest of {want['image']} is over {MAX_MANIFEST} bytes")
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if want["digest"] and want["digest"] != digest:
-            raise Refused(502, f"the origin's manifest of {want['image']} has digest {digest}")
-        return digest
+                    raise Refused(502, f"the origin's manifest of {image} is over {MAX_MANIFEST} bytes")
+        return "sha256:" + hashlib.sha256(data).hexdigest(), data
 
     # --- the API -----------------------------------------------------------------------
 
@@ -386,15 +416,19 @@ class PreheatService:
         self._api(request)
         want = check_job_request(await self._body(request), self.cache.upstream.serves)
         try:
-            manifest = await self._resolve(want, request.headers.get("Authorization"))
+            manifest, data = await self._resolve(want, request.headers.get("Authorization"))
         except Refused:
             self.counts["jobs_refused"] += 1
             raise
+        held: list[str] = []
+        if want["mode"] == "profile":  # the origin serves the ranges the nodes read, not whole blobs
+            held = await self._layers(want["repository"], data, want["image"], request.headers.get("Authorization"))
+            self.cache.hold_fills(held, want["timeout_s"] + HOLD_MARGIN)
         self._forget_old()
         origin, served = self._origin_counters()
         job = Job(secrets.token_hex(8), want["image"], manifest, want["mode"], want["timeout_s"],
                   want["ready_fraction"], {n: JobNode(n) for n in want["nodes"]}, time.monotonic(), time.time(),
-                  origin, served)
+                  origin, served, held=held)
         self.jobs[job.id] = job
         self.counts["jobs_created"] += 1
         for name in job.nodes:

@@ -862,3 +862,64 @@ def test_a_fill_that_took_bad_range_bytes_fails_and_the_next_fill_takes_none(reg
         assert whole.status_code == 200 and whole.content == data
     finally:
         origin.close()
+
+
+def _on_loop(region: RunningRegion, fn, *args) -> None:
+    """Call fn(*args) on the region's event loop (its state is the loop's alone)."""
+    async def call():
+        fn(*args)
+
+    asyncio.run_coroutine_threadsafe(call(), region.loop).result(timeout=10)
+
+
+def test_a_held_blob_costs_the_origin_the_ranges_asked_then_one_copy(registry, region_factory, tmp_path):
+    """While a profile preheat holds a blob (hold_fills), the region answers its ranges by
+    range reads alone: the origin serves the ranges the nodes ask for, once each however
+    many nodes ask, and no whole copy. When the hold ends, or a client asks for the whole
+    blob, the region fetches the blob whole, taking what it has, and commits one
+    verified copy."""
+    data = random.Random(21).randbytes(16 << 20)
+    digest = push_blob(registry, "lib/held", data, tmp_path)
+    region = region_factory(registry)
+    _on_loop(region, region.cache.hold_fills, [digest], 600.0)
+    # what a profile's warm-up reads: chunks at the start (within fill_window), in the
+    # middle, overlapping ones, and the TOC at the end; two nodes ask for each at once
+    spans = [(0, 64 << 10), (100 << 10, 300 << 10), (200 << 10, 400 << 10), (9 << 20, (9 << 20) + 4096),
+             (len(data) - (70 << 10), len(data))]
+
+    def read(span) -> bytes:
+        r = get(region, "lib/held", digest, {"Range": f"bytes={span[0]}-{span[1] - 1}"})
+        assert r.status_code == 206, r.text
+        return r.content
+
+    for _ in range(2):  # the second round is served from what the first brought
+        results: dict[int, list[bytes]] = {}
+        threads = [threading.Thread(target=lambda i=i, s=s, out=results: out.setdefault(i, []).append(read(s)))
+                   for i, s in enumerate(spans) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(got == [data[a:b]] * 2 for (a, b), got in zip(spans, (results[i] for i in range(len(spans)))))
+        stats = region.stats()
+        assert stats["fills_running"] == 0 and stats["fills_holding"] == 1
+        whole, _, range_bytes = origin_reads(registry, digest)
+        assert whole == 0 and range_bytes == union_size(spans), (whole, range_bytes, union_size(spans))
+
+    _on_loop(region, region.cache.release_fills, [digest])
+    stats = region.wait_idle(60)
+    assert stats["fills_committed"] == 1 and stats["fills_holding"] == 0 and region.backend.contains(digest)
+    assert stats["origin_bytes"] + stats["fill_reused_bytes"] == len(data)
+    r = get(region, "lib/held", digest)
+    assert r.status_code == 200 and r.content == data
+
+    # a held blob whose whole is asked for is fetched whole at once
+    other = random.Random(22).randbytes(6 << 20)
+    digest2 = push_blob(registry, "lib/held", other, tmp_path)
+    _on_loop(region, region.cache.hold_fills, [digest2], 600.0)
+    assert get(region, "lib/held", digest2, {"Range": "bytes=5000000-5000099"}).content == \
+        other[5000000:5000100]
+    r = get(region, "lib/held", digest2)
+    assert r.status_code == 200 and r.content == other
+    stats = region.wait_idle(60)
+    assert stats["fills_committed"] == 2 and region.backend.contains(digest2)

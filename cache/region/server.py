@@ -109,6 +109,7 @@ _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving 
 _AHEAD_PIECE = 64 << 10  # bytes a range read hands on at a time (clients get them as they come)
 MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range reads' bytes
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
+HOLD_SWEEP = 5.0  # seconds between looks for held fills whose holds ran out
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
@@ -306,6 +307,9 @@ class Fill:
     ranges_refused: bool = False  # the origin ignored a Range header: readers wait for the fill
     reused: int = 0  # bytes the fill took from range reads (read back from the staging file)
     reuse: bool = True  # take range reads' bytes (off after a fill that did failed its digest check)
+    whole: bool = True  # False: held (hold_fills): range reads alone, no stream of the whole blob yet
+    authorization: str | None = None  # the credentials of the client that started it (a held fill's, for later)
+    opening: asyncio.Future | None = None  # the staging file's opening
     frontier: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -424,6 +428,7 @@ class RegionCache:
         self._block = config.block_size
         self._fills: dict[str, Fill] = {}
         self._probes: dict[str, asyncio.Future] = {}  # digest -> its first range read's answer (_probe)
+        self._held: dict[str, list[float]] = {}  # digest -> when each of its holds ends (hold_fills)
         # digests whose last fill took range reads' bytes and failed its digest check: their
         # next fill fetches every byte itself (a broken range answer must not keep a blob
         # out of the cache for good); bounded, oldest forgotten first
@@ -445,7 +450,7 @@ class RegionCache:
             "denied", "not_found", "errors", "aborted", "proxied",
             "store_checks", "store_verify_failures", "store_check_reports",
             "range_reads", "origin_range_bytes", "range_joins", "range_reads_failed", "fill_reused_bytes",
-            "range_probes",
+            "range_probes", "fills_held",
         ), 0)
         self.access = AccessCache(self.upstream, config.auth.ttl, config.auth.negative_ttl, self.stats)
         self.extensions: list[Extension] = []  # services mounted beside the cache (mount())
@@ -500,6 +505,7 @@ class RegionCache:
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.upstream.start()
+        self._start_task(self._sweep_holds())
 
     async def _on_cleanup(self, app: web.Application) -> None:
         self._closing = True  # stops the hashing of running checks
@@ -507,6 +513,10 @@ class RegionCache:
             task.cancel()
         if self._fill_tasks:
             await asyncio.gather(*self._fill_tasks, return_exceptions=True)
+        for fill in [f for f in self._fills.values() if not f.whole]:  # no fill task of theirs unlinks them
+            fill.done = True
+            fill._close_if_unused()
+            await self._run(_unlink, fill.path)
         await asyncio.get_running_loop().run_in_executor(None, self._check_pool.shutdown)
         await self.upstream.close()
         await self._run(self.backend.close)
@@ -518,7 +528,8 @@ class RegionCache:
     def statistics(self) -> dict:
         out: dict[str, object] = dict(self.stats)
         out["origin_requests"] = self.upstream.requests
-        out["fills_running"] = len(self._fills)
+        out["fills_running"] = sum(f.whole for f in self._fills.values())
+        out["fills_holding"] = sum(not f.whole for f in self._fills.values())
         out["fill_readers"] = sum(f.readers for f in self._fills.values())
         out["filling"] = {d: {"size": f.size, "written": f.written, "range_reads": sum(not r.done for r in f.ranges)}
                           for d, f in self._fills.items()}
@@ -625,12 +636,17 @@ class RegionCache:
         # a miss: join or start the fill
         await self._after_probe(digest)
         fill = self._fills.get(digest)
+        if fill is None and size is None and self._is_held(digest):  # range reads alone need the size first
+            size = await self._origin_size(name, digest, authorization)
+            fill = self._fills.get(digest)  # (a fill may have started meanwhile)
         if fill is None:
             fill = self._start_fill(name, digest, authorization, size)
             note["how"] = "miss"
         else:
             self.stats["coalesced"] += 1
             note["how"] = "coalesced"
+        if not fill.whole and parse_range(request.headers.get("Range"), fill.size or 0) is None:
+            self._upgrade(fill, authorization)  # a whole blob is the fill's to serve
         self.stats["misses"] += 1
         return await self._serve_fill(request, fill, note, authorization)
 
@@ -879,21 +895,101 @@ class RegionCache:
         """The fill of `digest`; `size` (the origin's answer to the access check, if any)
         lets range reads start before the fill's own answer."""
         fill = Fill(digest=digest, repo=name, path=self.backend.temp_path(), size=size,
-                    reuse=digest not in self._reuse_refused)
+                    reuse=digest not in self._reuse_refused, whole=size is None or not self._is_held(digest),
+                    authorization=authorization)
         self._fills[digest] = fill
-        self.stats["fills"] += 1
-        task = asyncio.ensure_future(self._run_fill(fill, authorization))
-        self._fill_tasks.add(task)
-        task.add_done_callback(self._fill_tasks.discard)
+        if fill.whole:
+            self.stats["fills"] += 1
+            self._start_task(self._run_fill(fill, authorization))
+        else:
+            self.stats["fills_held"] += 1
+            self._start_task(self._open_held(fill))
         return fill
+
+    def _start_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._fill_tasks.add(task)  # cancelled at cleanup
+        task.add_done_callback(self._fill_tasks.discard)
+
+    # --- held fills: range reads alone while a preheat job reads parts of the blob
+
+    def hold_fills(self, digests, seconds: float) -> None:
+        """For the next `seconds` (or until release_fills), a blob of `digests` that is not
+        filling is not fetched whole: its range requests are answered by range reads alone
+        (coalesced per range in flight, and kept in its staging file for the next client
+        that asks the same bytes), so the origin serves the ranges asked and no more (a
+        profile preheat: the chunks its nodes read). A request for the whole blob, or the
+        hold's end, turns it into a fill of the whole blob, which takes what range reads
+        brought (TAKE_AT_LEAST) and fetches the rest: one verified copy, committed."""
+        until = time.monotonic() + seconds
+        for digest in digests:
+            self._held[digest] = self._held.get(digest, []) + [until]
+
+    def release_fills(self, digests) -> None:
+        """The end of one hold_fills of `digests` (the earliest of each)."""
+        for digest in digests:
+            holds = self._held.get(digest)
+            if holds:
+                holds.remove(min(holds))
+            self._end_hold(digest)
+
+    def _is_held(self, digest: str) -> bool:
+        now = time.monotonic()
+        holds = [t for t in self._held.get(digest, []) if t > now]
+        if holds:
+            self._held[digest] = holds
+        else:
+            self._held.pop(digest, None)
+        return bool(holds)
+
+    def _end_hold(self, digest: str) -> None:
+        if not self._is_held(digest):
+            fill = self._fills.get(digest)
+            if fill is not None and not fill.whole:
+                self._upgrade(fill, fill.authorization)
+
+    def _upgrade(self, fill: Fill, authorization: str | None) -> None:
+        """A held fill becomes a fill of the whole blob (hold_fills)."""
+        if fill.whole:
+            return
+        fill.whole = True
+        self.stats["fills"] += 1
+        log.info("%s@%s: fetching the whole blob (%d range reads held so far)", fill.repo, fill.digest,
+                 len(fill.ranges))
+        self._start_task(self._run_fill(fill, authorization))
+
+    async def _open_staging(self, fill: Fill) -> None:
+        """Open the fill's staging file, once (a held fill's opening, then its whole fill's)."""
+        if fill.opening is None:
+            fill.opening = asyncio.ensure_future(self._run(_open_staging, fill.path))
+        fd = await asyncio.shield(fill.opening)
+        if fill.fd < 0 and not fill.done:
+            fill.fd = fd
+            fill.notify()
+
+    async def _open_held(self, fill: Fill) -> None:
+        try:
+            await self._open_staging(fill)
+        except OSError as exc:
+            fill.error = HTTPFailure(500, "INTERNAL", f"staging file for {fill.repo}@{fill.digest}: {exc}")
+            if self._fills.get(fill.digest) is fill:
+                del self._fills[fill.digest]
+            fill.done = True
+            fill.notify()
+
+    async def _sweep_holds(self) -> None:
+        """Held fills whose holds ran out become whole fills (nobody may have asked since)."""
+        while True:
+            await asyncio.sleep(HOLD_SWEEP)
+            for digest in [d for d, f in self._fills.items() if not f.whole]:
+                self._end_hold(digest)
 
     async def _run_fill(self, fill: Fill, authorization: str | None) -> None:
         """Fetch the blob from the origin into fill.path, verify it, commit it."""
         digest, name = fill.digest, fill.repo
         committed = False
         try:
-            fill.fd = await self._run(_open_staging, fill.path)
-            fill.notify()
+            await self._open_staging(fill)
             hasher = hashlib.sha256()
             while fill.size is None or fill.written < fill.size:
                 await self._take_from_ranges(fill, hasher)
@@ -1158,7 +1254,7 @@ class RegionCache:
         """The range read that brings byte `pos`, or None when `pos` is to wait for the
         fill. A missing read is started, with reads of every other part of [pos, end)
         that none brings yet: one origin request per byte however many clients ask."""
-        if fill.ranges_refused or fill.size is None or pos <= fill.written + self.config.fill_window:
+        if fill.ranges_refused or fill.size is None or (fill.whole and pos <= fill.written + self.config.fill_window):
             return None
         read = fill.bringing(pos)
         if not note.get("ahead"):
