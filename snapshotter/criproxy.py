@@ -36,7 +36,6 @@ import binascii
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -183,36 +182,20 @@ class ImageServiceProxy:
 
     def __init__(self, socket_path: str | Path, upstream: str, keychain: Keychain, ttl: float,
                  threads: int = 8) -> None:
-        self.socket_path = Path(os.path.abspath(socket_path))
-        if len(os.fsencode(self.socket_path)) > 107:
-            raise ShoalError(f"socket path {self.socket_path} is longer than a unix socket allows (107 bytes)")
+        from snapshotter.grpc_server import PrivateServer
+
         self._keychain, self._ttl = keychain, ttl
+        self._server = PrivateServer(socket_path, [_Forward(self)], "the CRI image service (to containerd's)",
+                                     threads, "cri-images")
+        self.socket_path = self._server.socket_path
         self._channel = grpc.insecure_channel(f"unix:{os.path.abspath(upstream)}", options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
-        self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cri-images"),
-            handlers=[_Forward(self)],
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE),
-                     ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0)],
-        )
-        self._started = False
 
     def start(self) -> None:
-        from snapshotter.grpc_server import listen_private
-
-        listen_private(self._server, self.socket_path)
         self._server.start()
-        self._started = True
-        log.info("serving the CRI image service on %s (to containerd's)", self.socket_path)
 
     def stop(self, grace: float = 5.0) -> None:
-        if self._started:
-            self._started = False
-            self._server.stop(grace).wait()
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
+        self._server.stop(grace)
         self._channel.close()
 
     # --- calls

@@ -117,16 +117,19 @@ def listen_private(server: grpc.Server, path: Path) -> None:
     os.chmod(path, 0o600)
 
 
-class SnapshotsServer:
-    """The gRPC server for one Snapshotter on one unix socket (mode 0600)."""
+class PrivateServer:
+    """A gRPC server with `handlers` on one unix socket, mode 0600 (listen_private).
+    start() / stop(grace); `what` names it in the log."""
 
-    def __init__(self, sn: Snapshotter, socket_path: str | Path, threads: int = 16) -> None:
+    def __init__(self, socket_path: str | Path, handlers: list, what: str, threads: int = 16,
+                 thread_prefix: str = "grpc") -> None:
         self.socket_path = Path(os.path.abspath(socket_path))
         if len(os.fsencode(self.socket_path)) > 107:
             raise ShoalError(f"socket path {self.socket_path} is longer than a unix socket allows (107 bytes)")
+        self.what = what
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="snapshots"),
-            handlers=[service_handler(sn)],
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
+            handlers=handlers,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
                 ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -139,7 +142,7 @@ class SnapshotsServer:
         listen_private(self._server, self.socket_path)
         self._server.start()
         self._started = True
-        log.info("serving containerd snapshots API on %s", self.socket_path)
+        log.info("serving %s on %s", self.what, self.socket_path)
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, remove the
@@ -152,6 +155,13 @@ class SnapshotsServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+
+
+class SnapshotsServer(PrivateServer):
+    """The gRPC server for one Snapshotter on one unix socket (mode 0600)."""
+
+    def __init__(self, sn: Snapshotter, socket_path: str | Path, threads: int = 16) -> None:
+        super().__init__(socket_path, [service_handler(sn)], "containerd snapshots API", threads, "snapshots")
 
 
 def socket_answers(path: str, timeout: float) -> bool:
