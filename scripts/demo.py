@@ -257,12 +257,15 @@ def left_running(pids: list[int], timeout: float = 10) -> list[str]:
 
 def main() -> int:
     def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # the cleanup below runs
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup below runs to its end
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
 
     if reason := netlab.lab_missing(fuse=True):
         print(f"demo: {reason}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shoal-demo-"))
     pids: list[int] = []
