@@ -121,6 +121,7 @@ class Demo:
         self.lab: netlab.Lab | None = None
         self.servers: list[ContainerdServer] = []
         self.nodes: list[netlab.LabNode] = []
+        self.dirs: list[Path] = []  # the directories it made (removed at the end)
 
     def pids(self) -> list[int]:
         """Every process started so far (and a node's layer file system server and holder)."""
@@ -132,6 +133,9 @@ class Demo:
 
 def demo(work: Path, d: Demo) -> None:
     step("a lab network: a hub namespace (origin, region) and a namespace per node, on 192.0.2.0/24")
+    short = Path(tempfile.mkdtemp(prefix="shd-", dir="/tmp"))  # the nodes' (unix socket paths must be short)
+    d.stack.callback(shutil.rmtree, short, ignore_errors=True)  # (after the lab's close: nothing mounted there)
+    d.dirs.append(short)
     lab = d.lab = d.stack.enter_context(netlab.Lab())
     hosts = [lab.add_node() for _ in NAMES]
     print(f"hub: {lab.hub.ns} ({lab.hub.ip}); "
@@ -167,8 +171,6 @@ def demo(work: Path, d: Demo) -> None:
     print(f"its CA {region.ca}, node token {region.token_file}, preheat API token {token}")
 
     step("two nodes: each a `shoal node` (swarm on, [fetch] region_url the region) and a containerd using it")
-    short = Path(tempfile.mkdtemp(prefix="shd-", dir="/tmp"))  # unix socket paths must be short
-    d.stack.callback(shutil.rmtree, short, ignore_errors=True)
     names = {h.ns: n for h, n in zip(hosts, NAMES, strict=True)}
     d.nodes = nodes = netlab.start_nodes(lab, hosts, short, region, registry, tables=lambda nd: {
         "node": {"name": names[nd.name]}, "containerd": {"address": str(nd / "c" / "containerd.sock")}})
@@ -269,26 +271,27 @@ def main() -> int:
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="shoal-demo-"))
     pids: list[int] = []
+    dirs = [work]
     code = 0
     try:
         with contextlib.ExitStack() as stack:
-            stack.callback(step, "cleaning up: every process by its PID, then mounts and namespaces")
+            stack.callback(shutil.rmtree, work, ignore_errors=True)  # last: after every process and mount
             d = Demo(stack)
             try:
                 demo(work, d)
             finally:
-                pids = d.pids()
+                pids, dirs = d.pids(), [work, *d.dirs]
+                step("cleaning up: every process by its PID, then mounts, namespaces and directories")
     except KeyboardInterrupt:
         print("demo: interrupted", file=sys.stderr)
         code = 130
     except (RuntimeError, AssertionError, subprocess.SubprocessError, OSError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         code = 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    alive = left_running(pids)
+    alive, mounted = left_running(pids), netlab.mounts_under(*dirs)
+    left = [str(p) for p in dirs if p.exists()]
     print(f"stopped PIDs {' '.join(map(str, pids)) or '(none)'}; still running: {alive or 'none'}; "
-          f"mounted under {work}: {netlab.mounts_under(work) or 'none'}", flush=True)
+          f"mounts left: {mounted or 'none'}; directories left: {left or 'none'}", flush=True)
     if code == 0:
         print(f"\ndone in {time.monotonic() - t0:.0f} s")
     return code
