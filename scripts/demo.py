@@ -75,6 +75,12 @@ def blob_bytes(registry: netlab.LabRegistry) -> int:
     return registry.bytes_written("/blobs/")[1]
 
 
+def proven(node: netlab.LabNode, count: int) -> bool:
+    """Whether the node has `count` lazy layers, every one proven (`shoal status`)."""
+    layers = node.status()["lazy_layers"]
+    return len(layers) == count and all(ly["proof"] == "proven" for ly in layers)
+
+
 def figures(node: netlab.LabNode) -> dict[str, int]:
     """The node's fetch figures (`shoal status --json`: "fetch"), and its chunk reads
     answered from its memory and its chunk store ("data_path")."""
@@ -120,13 +126,14 @@ class Demo:
         self.stack = stack
         self.lab: netlab.Lab | None = None
         self.servers: list[ContainerdServer] = []
-        self.nodes: list[netlab.LabNode] = []
         self.dirs: list[Path] = []  # the directories it made (removed at the end)
 
     def pids(self) -> list[int]:
         """Every process started so far (and a node's layer file system server and holder)."""
-        out = [p.pid for p in self.lab.procs] if self.lab else []
-        out += [pid for node in self.nodes for pid in netlab.fs_pids(node.root)]
+        if self.lab is None:
+            return []
+        out = [p.pid for p in self.lab.procs] + [pid for pid, _ in self.lab.adopted]
+        out += [pid for root in self.lab.node_roots for pid in netlab.fs_pids(root)]
         out += [s.pid for s in self.servers] + [pid for s in self.servers for pid in shim_pids(s.address)]
         return sorted(set(out))
 
@@ -151,7 +158,8 @@ def demo(work: Path, d: Demo) -> None:
     step("converting it to zstd:chunked, pushed to the origin")
     summary = json.loads(sh(lab, lab.hub, "hub", "convert", "--plain-http", "--json", f"oci:{layout}:gzip",
                             f"docker://{ref}", quiet=True))
-    size = sum(ly["bytes_out"] for ly in summary["layers"])
+    layers = summary["layers"]
+    size = sum(ly["bytes_out"] for ly in layers)
     print(f"{ref}: {summary['digest']}, {len(summary['layers'])} zstd:chunked layers, {size:,} bytes")
     step("inspecting and verifying every digest of the converted image")
     sh(lab, lab.hub, "hub", "inspect", "--plain-http", "--verify", f"docker://{ref}")
@@ -172,7 +180,7 @@ def demo(work: Path, d: Demo) -> None:
 
     step("two nodes: each a `shoal node` (swarm on, [fetch] region_url the region) and a containerd using it")
     names = {h.ns: n for h, n in zip(hosts, NAMES, strict=True)}
-    d.nodes = nodes = netlab.start_nodes(lab, hosts, short, region, registry, tables=lambda nd: {
+    nodes = netlab.start_nodes(lab, hosts, short, region, registry, tables=lambda nd: {
         "node": {"name": names[nd.name]}, "containerd": {"address": str(nd / "c" / "containerd.sock")}})
     snippet = (ROOT / "deploy/containerd/config.toml").read_text()
     for node in nodes:  # containerd with the node as its `shoal` proxy snapshotter (deploy/containerd)
@@ -207,8 +215,7 @@ def demo(work: Path, d: Demo) -> None:
     step("each node then proves its lazy layers in the background ([fetch] prove_after, 30 s after their "
          "prepare): their whole blobs, read through the chain (swarm first), checked against the image's diff_ids")
     for name, node in zip(NAMES, nodes, strict=True):
-        wait_for(lambda node=node: all(ly["proof"] == "proven" for ly in node.status()["lazy_layers"]),
-                 f"{name}'s layers proven", 240, 1)
+        wait_for(lambda node=node: proven(node, len(layers)), f"{name}'s layers proven", 240, 1)
         print(f"{name}$ shoal status --root {node.root}    # every lazy layer: proven")
     proof_origin = blob_bytes(registry) - before - start_origin
     done = [figures(n) for n in nodes]
