@@ -160,7 +160,7 @@ def demo(work: Path, d: Demo) -> None:
                             f"docker://{ref}", quiet=True))
     layers = summary["layers"]
     size = sum(ly["bytes_out"] for ly in layers)
-    print(f"{ref}: {summary['digest']}, {len(summary['layers'])} zstd:chunked layers, {size:,} bytes")
+    print(f"{ref}: {summary['digest']}, {len(layers)} zstd:chunked layers, {size:,} bytes")
     step("inspecting and verifying every digest of the converted image")
     sh(lab, lab.hub, "hub", "inspect", "--plain-http", "--verify", f"docker://{ref}")
     step("converting again changes nothing (same digest)")
@@ -189,7 +189,7 @@ def demo(work: Path, d: Demo) -> None:
         d.stack.callback(d.servers[-1].stop)
     for name, node, ctd in zip(NAMES, nodes, d.servers, strict=True):
         print(f"{name}$ shoal node --root {node.root} --socket {node.socket} --config {node.dir / 'node.toml'}")
-        print(f"{name}$ containerd --config {ctd.config_path}")
+        print(f"$ containerd --config {ctd.config_path}    # {name}'s (unix sockets only: no network of its own)")
     print(f"--- {nodes[0].dir / 'node.toml'}\n{(nodes[0].dir / 'node.toml').read_text().strip()}\n---")
     for name, node in zip(NAMES, nodes, strict=True):
         wait_for(lambda node=node: "registered with region" in (node.dir / "node.log").read_text(errors="replace"),

@@ -74,7 +74,7 @@ def test_the_demo_tells_the_whole_story_and_leaves_nothing_behind():
     assert "Traceback" not in out + proc.stderr
     # every step shows its heading and the commands it ran
     for command in ("hub$ shoal convert", "hub$ shoal inspect --plain-http --verify", "hub$ shoal profile record",
-                    "hub$ shoal region", "node-a$ shoal node", "node-b$ containerd", "hub$ shoal prefetch",
+                    "hub$ shoal region", "node-a$ shoal node", "$ containerd --config", "hub$ shoal prefetch",
                     "node-a$ shoal pull", "node-b$ ctr "):
         assert command in out, command
     assert out.count("\n==> ") >= 10
