@@ -10,7 +10,7 @@ help:  ## list the targets
 install:  ## apt packages and .venv (idempotent)
 	@bash scripts/install.sh
 
-demo: install  ## the main job on embedded defaults: local registry, real image, convert, inspect
+demo: install  ## the main job on one machine: registry, convert, profile, region, two nodes, prefetch, lazy starts
 	@.venv/bin/python scripts/demo.py
 
 test: install  ## lint, then the whole test suite (root: registry, containerd, FUSE)

@@ -118,7 +118,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise ShoalError(f"{args.ref}: no layer has a TOC, nothing to record: convert it first (shoal convert)")
     image = args.ref.removeprefix("docker://")
     _interrupt_on_sigterm()  # a cancelled CI job still stops what the embedded node started
-    with EmbeddedNode() as node:
+    with EmbeddedNode([parsed.host] if plain else []) as node:  # its lazy reads over HTTP too
         node.pull(image, plain)
         code = node.run(image, command, args.timeout)
         if code not in (0, None):

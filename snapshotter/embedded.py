@@ -1,7 +1,7 @@
 """An embedded node for one job: `shoal node` and containerd under a temporary root, so
 `shoal profile record` can run an image where no node is at hand (a CI runner).
 
-    with EmbeddedNode() as node:
+    with EmbeddedNode(plain_http_hosts) as node:     # the registries the node reads over HTTP
         node.pull(ref, plain_http)
         code = node.run(ref, command, timeout)      # None when it ran past the timeout
         chunks = node.fs.profile(layers)
@@ -86,7 +86,11 @@ def proxy_snapshotter(socket_path: str) -> str:
 class EmbeddedNode:
     """`shoal node` + containerd under a temporary directory (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plain_http_hosts: list[str] | tuple[str, ...] = ()) -> None:
+        """plain_http_hosts: registries (HOST:PORT) the node reads over plain HTTP (its
+        `[fetch] plain_http_hosts`; loopback always is): the lazy reads of an image pulled
+        with plain_http go there too, and an image cannot ask for it (no label does)."""
+        self.plain_http_hosts = list(plain_http_hosts)
         self.dir = ""
         self.root = ""
         self.address = ""
@@ -123,9 +127,12 @@ class EmbeddedNode:
         sock = os.path.join(self.dir, "s.sock")
         logs = os.path.join(self.dir, "logs")
         os.makedirs(logs)
+        node_config = os.path.join(self.dir, "node.toml")
+        with open(node_config, "w") as f:
+            f.write(f"[fetch]\nplain_http_hosts = {json.dumps(self.plain_http_hosts)}\n")  # (a JSON list is TOML)
         with open(os.path.join(logs, "node.log"), "ab") as out:
             self._node = subprocess.Popen(
-                [sys.executable, "-m", "cli", "node", "--root", self.root, "--socket", sock],
+                [sys.executable, "-m", "cli", "node", "--root", self.root, "--socket", sock, "--config", node_config],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self._wait(lambda: _listening(sock), self._node, "shoal node", "node.log")
         self.fs = FSClient(self.root)

@@ -168,3 +168,23 @@ def test_a_cancelled_recording_stops_everything_it_started(image):
     from snapshotter.embedded import shim_pids
 
     assert shim_pids(address) == []
+
+
+def test_plain_http_to_a_registry_not_on_loopback_reaches_the_embedded_nodes_lazy_reads(registry, image, tmp_path):
+    """--plain-http for a registry elsewhere than loopback (here in a network namespace:
+    tests/lab/netlab.py): the embedded node's layer file system reads the layers over HTTP
+    too (it tried TLS there, and the recording failed)."""
+    from tests.lab import netlab
+
+    if reason := netlab.lab_missing(fuse=True):
+        pytest.skip(reason)
+    ref, _ = image
+    with netlab.Lab() as lab:  # the module registry's storage, served in the hub (read only here)
+        origin = netlab.start_registry(lab, tmp_path / "origin", storage=registry.storage)
+        there = f"{origin.host}/{ref.split('/', 1)[1]}"
+        proc = lab.run(lab.hub, [SHOAL, "profile", "record", there, "--plain-http", "--out", str(tmp_path / "p.json"),
+                                 "--json", "--", *FIRST], timeout=300, env=netlab._env())
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["chunks"] > 0
+        assert origin.bytes_written("/blobs/sha256:")[1] > 0  # (the layers came from there)
+    assert embedded_leftovers() == []
