@@ -910,6 +910,9 @@ def test_a_held_blob_costs_the_origin_the_ranges_asked_then_one_copy(registry, r
     stats = region.wait_idle(60)
     assert stats["fills_committed"] == 1 and stats["fills_holding"] == 0 and region.backend.contains(digest)
     assert stats["origin_bytes"] + stats["fill_reused_bytes"] == len(data)
+    # one copy in all: the fill took every run of 64 KiB or more that the range reads
+    # brought (and read the 4 KiB one again)
+    assert registry.count("GET", f"/blobs/{digest}")[1] == len(data) + 4096
     r = get(region, "lib/held", digest)
     assert r.status_code == 200 and r.content == data
 

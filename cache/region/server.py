@@ -111,6 +111,9 @@ MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range re
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 HOLD_SWEEP = 5.0  # seconds between looks for held fills whose holds ran out
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
+# ... for the fill of a held blob (hold_fills): its range reads are done before it starts, so
+# a run costs it no bytes in flight, only the request for the gap before it
+TAKE_HELD = 64 << 10
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
@@ -310,6 +313,7 @@ class Fill:
     whole: bool = True  # False: held (hold_fills): range reads alone, no stream of the whole blob yet
     authorization: str | None = None  # the credentials of the client that started it (a held fill's, for later)
     opening: asyncio.Future | None = None  # the staging file's opening
+    take: int = TAKE_AT_LEAST  # the shortest run of range read bytes the fill takes (_worth_taking)
     frontier: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -920,7 +924,8 @@ class RegionCache:
         that asks the same bytes), so the origin serves the ranges asked and no more (a
         profile preheat: the chunks its nodes read). A request for the whole blob, or the
         hold's end, turns it into a fill of the whole blob, which takes what range reads
-        brought (TAKE_AT_LEAST) and fetches the rest: one verified copy, committed."""
+        brought (runs of TAKE_HELD bytes or more) and fetches the rest: one verified copy,
+        committed."""
         until = time.monotonic() + seconds
         for digest in digests:
             self._held[digest] = self._held.get(digest, []) + [until]
@@ -952,7 +957,7 @@ class RegionCache:
         """A held fill becomes a fill of the whole blob (hold_fills)."""
         if fill.whole:
             return
-        fill.whole = True
+        fill.whole, fill.take = True, TAKE_HELD
         self.stats["fills"] += 1
         log.info("%s@%s: fetching the whole blob (%d range reads held so far)", fill.repo, fill.digest,
                  len(fill.ranges))
@@ -1127,7 +1132,7 @@ class RegionCache:
         if not fill.reuse or fill.ranges_refused:
             return False
         run = fill.coming(fill.written) - fill.written
-        return run >= TAKE_AT_LEAST or (run > 0 and fill.written + run == fill.size)
+        return run >= fill.take or (run > 0 and fill.written + run == fill.size)
 
     @staticmethod
     def _next_run(fill: Fill) -> int | None:
@@ -1138,7 +1143,7 @@ class RegionCache:
         if fill.ranges_refused or not fill.reuse:
             return None
         starts = sorted(r.start for r in fill.ranges if r.start > fill.written)
-        return next((a for a in starts if fill.coming(a) - a >= TAKE_AT_LEAST or fill.coming(a) == fill.size), None)
+        return next((a for a in starts if fill.coming(a) - a >= fill.take or fill.coming(a) == fill.size), None)
 
     async def _take_from_ranges(self, fill: Fill, hasher) -> None:
         """Move the fill over the run of bytes from its position that range reads have
