@@ -14,7 +14,7 @@ from cache.loader import WriteBehind
 from cache.memory import ChunkMemory
 from cache.source import BlobRef, FetchChain, Source
 from cache.store import ChunkStore
-from shoal.errors import TransportError
+from shoal.errors import ShoalError, TransportError
 
 
 def chunk(i: int, size: int = 1000) -> tuple[str, bytes]:
@@ -143,3 +143,53 @@ def test_blob_ref_round_trips_through_its_dict_and_refuses_bad_ones():
                 {k: v for k, v in good.items() if k != "repository"}):
         with pytest.raises(FormatError):
             BlobRef.from_dict(bad)
+
+
+@pytest.mark.registry
+def test_the_node_processs_fetch_figures_go_on_across_its_restarts(registry, tmp_path):
+    """NodeFetch (the node process's fetches: snapshotter/nodefetch.py) against a real
+    registry: a small blob is checked against its digest, whole blobs are read through a
+    BlobReader, and the figures in ROOT/node-fetch.json (0600) go on from what the
+    previous node process counted; a file that is not JSON is started over, not fatal."""
+    import json
+    import os
+    import stat
+
+    from snapshotter.nodefetch import STATS_FILE, NodeFetch, read_statistics
+    from tests.test_region import push_blob
+
+    small = random.Random(30).randbytes(3000)
+    big = random.Random(31).randbytes(20 << 20)  # three 8 MiB pieces
+    blobs = {name: BlobRef(registry.host, "lib/nodefetch", push_blob(registry, "lib/nodefetch", data, tmp_path),
+                           len(data), plain_http=True) for name, data in (("small", small), ("big", big))}
+    root = tmp_path / "root"
+    root.mkdir()
+    config = {"plain_http_hosts": [registry.host], "read_deadline": 20.0}
+
+    def run_once() -> dict:
+        fetch = NodeFetch(str(root), config)
+        try:
+            assert fetch.small_blob(blobs["small"], "a config", 1 << 20) == small
+            reader = fetch.open_blob(blobs["big"], "a layer")
+            got = hashlib.sha256()
+            while piece := reader.read(1 << 20):
+                got.update(piece)
+            assert got.hexdigest() == hashlib.sha256(big).hexdigest()
+            with pytest.raises(ShoalError, match="size"):
+                fetch.small_blob(BlobRef(registry.host, "lib/nodefetch", blobs["small"].digest, 10 << 20), "x",
+                                 1 << 20)
+        finally:
+            fetch.close()
+        return read_statistics(str(root))
+
+    first = run_once()
+    assert first["blobs"]["small"] == 1 and first["blobs"]["whole"] == 1
+    assert first["blobs"]["whole_bytes"] == len(big) and first["blobs"]["digest_mismatches"] == 0
+    assert stat.S_IMODE(os.stat(root / STATS_FILE).st_mode) == 0o600
+    second = run_once()  # a new node process on the same root
+    assert second["blobs"] == {k: 2 * v for k, v in first["blobs"].items()}
+    assert json.dumps(second["sources"], sort_keys=True) != json.dumps(first["sources"], sort_keys=True)
+    (root / STATS_FILE).write_text("not json")
+    assert read_statistics(str(root)) == {}
+    third = run_once()
+    assert third["blobs"] == first["blobs"]
