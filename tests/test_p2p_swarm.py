@@ -303,6 +303,50 @@ def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes)
     assert not stored.exists() or "sha256:" + netlab.sha256_file(stored) == digest
 
 
+def test_a_peer_sending_corrupt_pieces_makes_no_bad_unpack(world, nodes):
+    """(3c) The bulk path of a layer the node unpacks (a gzip layer, no TOC): node 1
+    unpacks it, its whole blob through its swarm, and seeds it; its torrent storage is
+    then corrupted (every fourth piece). Node 2 unpacks the layer: the bad pieces node 1
+    sends fail their hash, node 1 is banned, the rest comes from the region; node 2's
+    files are right and its unpack bytes are the swarm's."""
+    from tests.lab.fromdir import build_image
+
+    work = world.workdir / "gzip-corrupt"
+    tree = work / "tree"
+    tree.mkdir(parents=True)
+    files = {}
+    for i, size in enumerate((10 * MiB, 6 * MiB)):
+        data = random.Random(7000 + i).randbytes(size)
+        (tree / f"f{i}").write_bytes(data)
+        files[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    build_image([str(tree)], f"oci:{work}/gz:v1", compression="gzip", workdir=str(work))
+    image = netlab.push_unchanged(world.lab, world.registry, work / "gz", "v1", "swarm/gz")
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    netlab.wait_torrent(world.lab, world.region, world.registry, image.repository, digest)  # the region has it
+    a, b = nodes(2, swarm=PATIENT)
+    assert a.provide(world.lab, image) == []  # unpacked, not lazy
+    assert a.status()["fetch"]["unpack_swarm_bytes"] == size
+    path = a.root / "swarm" / "data" / ("sha256-" + digest[7:])
+    with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
+        for p in range(1, size // PIECE, 4):
+            fh.seek(p * PIECE + 1000)
+            fh.write(os.urandom(4096))
+    assert b.provide(world.lab, image) == []
+    status = b.status()
+    [unpacked] = status["unpacked_layers"]
+    folder = b.root / "unpacked" / unpacked.split(":", 1)[1]
+    assert {name: netlab.sha256_file(folder / name) for name in files} == files
+    f = status["fetch"]
+    assert f["unpack_bytes"] == f["unpack_swarm_bytes"] == size, (f, b.log())
+    assert f["hash_failures"] >= 1, f
+    assert f["peers_banned"] >= 1, f
+    assert f["bytes_from_peers"] > 0 and f["bytes_from_region"] > 0, f
+    assert status["node_fetch"]["blobs"]["swarm_copies_bad"] == 0  # the swarm let no bad piece into the file
+    log = b.log(1 << 20)
+    assert "failed its hash check" in log and "banned peer" in log
+
+
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
 def test_aria2_without_the_node_token_gets_nothing(world, nodes):
     """(4) A stock BitTorrent client with only the .torrent the region publishes (and so
