@@ -20,10 +20,10 @@ swarm (one swarm session per node, in the layer file system's process):
   every piece checked against the torrent's SHA-1 as it enters (a peer that sends a bad
   one is banned), the whole file against the blob's sha256 before it is seeded; a cold
   region fills the blob before it can make its metadata, and the op waits for that
-  (METADATA_WAIT). The node process then reads the complete file where it lies, in the
-  torrent storage (FileBlobReader: no second copy; it stays there as the swarm's copy,
-  seeded to the node's neighbours until the swarm evicts it within its
-  `storage_capacity`), and checks its sha256 again as it reads;
+  (metadata_wait(): bounded by the blob's size). The node process then reads the
+  complete file where it lies, in the torrent storage (FileBlobReader: no second copy;
+  it stays there as the swarm's copy, seeded to the node's neighbours until the swarm
+  evicts it within its `storage_capacity`), and checks its sha256 again as it reads;
 - otherwise, or when the swarm cannot (the layer file system is not running or has no
   swarm, the region has no metadata for the blob, a stall: logged), through the node's
   own chain (BlobReader: the region, then the origin, PIECE-sized ranges, one ahead of
@@ -85,7 +85,10 @@ T = TypeVar("T")
 
 STATS_FILE = "node-fetch.json"  # ROOT/node-fetch.json
 PIECE = 8 << 20  # bytes per range of a whole blob read through the chain
-METADATA_WAIT = 600.0  # seconds a blob to unpack waits for a cold region to fill it and make its metadata
+# a blob to unpack waits this long for a cold region to fill it and make its metadata:
+# METADATA_WAIT seconds, plus its size at METADATA_FILL_RATE, at most METADATA_WAIT_MAX (a
+# region whose fill cannot finish goes on saying "not yet": the node then reads around the swarm)
+METADATA_WAIT, METADATA_FILL_RATE, METADATA_WAIT_MAX = 30.0, 20 << 20, 900.0
 SWARM_STALL = 60.0  # seconds without a piece before the swarm's bulk path gives up on a blob
 SWARM_FLOOR_RATE = 1 << 20  # bytes/s: the bulk call's outer bound is its size at this rate, plus the waits
 
@@ -236,9 +239,10 @@ class NodeFetch:
         """The blob's complete file from the swarm's bulk path, open; None (logged) when
         the swarm cannot bring it."""
         assert blob.size is not None
-        bound = METADATA_WAIT + SWARM_STALL + blob.size / SWARM_FLOOR_RATE + 60
+        wait = metadata_wait(blob.size)
+        bound = wait + SWARM_STALL + blob.size / SWARM_FLOOR_RATE + 60
         try:
-            path = FSClient(self.root).fetch_blob(blob, METADATA_WAIT, SWARM_STALL, bound)
+            path = FSClient(self.root).fetch_blob(blob, wait, SWARM_STALL, bound)
             fh = open(path, "rb")  # noqa: SIM115 - the reader owns it (closed with it)
         except (ShoalError, OSError, ValueError, KeyError) as e:
             log.warning("%s: not through the swarm (%s): from the region and origin", what, e)
@@ -298,6 +302,11 @@ class NodeFetch:
     def close(self) -> None:
         self.save()
         self.chain.close()
+
+
+def metadata_wait(size: int) -> float:
+    """Seconds a blob of `size` bytes to unpack waits for the region to have its metadata."""
+    return min(METADATA_WAIT_MAX, METADATA_WAIT + size / METADATA_FILL_RATE)
 
 
 _shared: dict[str, NodeFetch] = {}
