@@ -155,11 +155,12 @@ def _unpacked_files(node: netlab.LabNode, status: dict, files: dict[str, str]) -
 
 
 def test_nodes_unpacking_one_gzip_image_take_it_through_the_region_at_one_origin_copy(tmp_path):
-    """A layer without a TOC is downloaded whole and unpacked by each node; with the
-    swarm off the download goes through the node process's own fetch chain (the region,
-    then the origin), as does the manifest the node reads at the first prepare, so N
-    nodes cost the origin one copy; `shoal status` counts the bytes (unpack_bytes,
-    manifest_bytes) by source."""
+    """A layer without a TOC is downloaded whole and unpacked by each node; when the
+    node's swarm cannot start ([swarm] required = false, its storage not writable), the
+    layer file system has none and the download goes through the node process's own
+    fetch chain (the region, then the origin; logged), as does the manifest the node
+    reads at the first prepare, so N nodes cost the origin one copy; `shoal status`
+    counts the bytes (unpack_bytes, manifest_bytes) by source."""
     layout, files, storage = _gzip_image(tmp_path, [3, 3, 3], 1300)
     short = Path(tempfile.mkdtemp(prefix="shfl-", dir="/tmp"))
     try:
@@ -169,7 +170,7 @@ def test_nodes_unpacking_one_gzip_image_take_it_through_the_region_at_one_origin
             image = netlab.layout_image(layout, f"{registry.host}/fleet/gz:v1")
             [layer] = image.layers
             nodes = netlab.start_nodes(lab, [lab.add_node() for _ in range(2)], short, region, registry,
-                                       swarm={"enabled": False})
+                                       swarm={"required": False, "storage": "/proc/shoal-no-such-folder"})
             assert netlab.parallel(lambda node: node.provide(lab, image), nodes) == [[], []]  # unpacked, not lazy
             _fill_done(lab, region)
             _, origin = registry.bytes_written(layer["digest"])
@@ -179,7 +180,10 @@ def test_nodes_unpacking_one_gzip_image_take_it_through_the_region_at_one_origin
                 assert _unpacked_files(node, status, files) == files
                 fetch = status["fetch"]
                 assert fetch["unpack_bytes"] == layer["size"]
-                assert fetch["unpack_swarm_bytes"] == 0
+                assert fetch["unpack_swarm_bytes"] == 0 and not fetch["swarm"]
+                assert status["node_fetch"]["blobs"]["swarm_fallbacks"] == 1
+                assert "not through the swarm (layer file system: fetch_blob failed: fetch_blob: the swarm is off " \
+                       "on this node): from the region and origin" in node.log(1 << 20)
                 assert fetch["bytes_from_origin"] == 0, fetch
                 assert fetch["bytes_from_region"] >= layer["size"] + fetch["manifest_bytes"] > layer["size"]
                 assert status["node_fetch"]["manifests"]["region"]["requests"] >= 1
