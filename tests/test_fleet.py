@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -240,6 +241,9 @@ def test_nodes_unpacking_one_gzip_image_at_once_share_it_through_the_swarm(tmp_p
             assert peers > 0, "no node took a part of the blob from another"
             assert from_region < UNPACK_NODES * size, f"the region served {from_region / size:.2f} copies"
             assert from_region + peers >= UNPACK_NODES * size  # every node got the whole blob from somewhere
+            text = subprocess.run([netlab.SHOAL, "status", "--root", str(nodes[0].root)], capture_output=True,
+                                  text=True, check=True).stdout
+            assert f"layers to unpack {size:,} B ({size:,} B through the swarm)" in text, text
             for node in nodes:
                 node.stop(lab)
     finally:
