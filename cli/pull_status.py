@@ -75,6 +75,9 @@ def format_status(s: dict) -> str:
         f"  bytes from: store {f['bytes_from_store']:,}, peers {f['bytes_from_peers']:,},"
         f" region {f['bytes_from_region']:,}, origin {f['bytes_from_origin']:,}"
     )
+    if f.get("manifest_bytes") or f.get("unpack_bytes"):  # the node process's own (counted by source above)
+        lines.append(f"  of them: manifests {f.get('manifest_bytes', 0):,} B, layers to unpack"
+                     f" {f.get('unpack_bytes', 0):,} B ({f.get('unpack_swarm_bytes', 0):,} B through the swarm)")
     if f["swarm"]:
         lines.append(
             f"  swarm: {f['peers_connected']} peers connected, {f['torrents']} blobs, {f['bytes_to_peers']:,} B to"

@@ -102,9 +102,13 @@ class Bulk:
         now = time.monotonic()
         if not peers and now - t.added < self.config.settle_wait:
             return []  # alone so far: nodes that start with us may connect in a moment
-        if t.tracker_reply and now - t.tracker_reply < self.config.settle_wait:
+        if t.tracker_reply and now - t.tracker_reply < self.config.settle_wait \
+                and now - t.last_progress <= self.config.stall_timeout:
             # bulk waits to know the swarm: every peer the tracker named connected and
-            # past its handshake (so its bitfield is in), or settle_wait gone by.
+            # past its handshake (so its bitfield is in), or settle_wait gone by. Not
+            # when stalled: a peer the tracker goes on naming may never connect (banned
+            # for bad pieces, or unreachable), and a lonely torrent's re-announces
+            # every second would keep the wait going for good.
             ready = [p for p in peers if not p.flags & (lt.peer_info.connecting | lt.peer_info.handshake)]
             if len(ready) < min(t.tracker_peers, self.config.connections_limit) or len(ready) < len(peers):
                 return []

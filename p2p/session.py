@@ -757,6 +757,15 @@ class Session:
 
         return self.call(state).result(30)
 
+    def pieces_held(self, blob: BlobRef) -> tuple[int, int]:
+        """(pieces of the blob this node holds now, pieces in all); (-1, 0) when the blob
+        is not in the swarm: how a waiter on a bulk download sees it move."""
+        def held() -> tuple[int, int]:
+            t = self._torrents.get(blob.digest)
+            return (-1, 0) if t is None else (t.have_count, t.meta.num_pieces)
+
+        return self.call(held).result(30)
+
     def drop(self, blob: BlobRef, why: str) -> None:
         """Remove the blob's torrent and its storage (not waited for): bytes read from it
         failed their check, so its file is damaged; a later read adds it again."""

@@ -103,6 +103,10 @@ class Swarm:
         """"complete", "partial" or "" (not in the swarm)."""
         return self.session.has(blob)
 
+    def pieces_held(self, blob: BlobRef) -> tuple[int, int]:
+        """(pieces of the blob held now, pieces in all); (-1, 0): not in the swarm."""
+        return self.session.pieces_held(blob)
+
     def drop(self, blob: BlobRef, why: str) -> None:
         """Remove the blob's torrent and its storage (not waited for); a later read adds
         it again."""

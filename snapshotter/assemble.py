@@ -35,8 +35,8 @@ def make_chain(config: dict) -> FetchChain:
 
 def make_chain_and_swarm_ops(config: dict) -> tuple[FetchChain, ControlOps | None]:
     """make_chain's chain and, when it has a swarm, the swarm's control ops
-    (p2p/control.py Control.handle: ping, stats, download), which the node's control
-    socket serves beside the layer file system's."""
+    (p2p/control.py Control.handle: ping, stats, download, fetch_blob, forget_blob),
+    which the node's control socket serves beside the layer file system's."""
     deadline = float(config.get("read_deadline", DEFAULT_READ_DEADLINE))
     backoff = float(config.get("source_backoff", DEFAULT_SOURCE_BACKOFF))
     sources: list[Source] = []

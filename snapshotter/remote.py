@@ -49,7 +49,7 @@ from shoal.digest import chain_id, check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
 from snapshotter.fs.client import FSClient
-from snapshotter.nodefetch import NodeFetch, node_fetch
+from snapshotter.nodefetch import BlobReader, NodeFetch, SwarmCopyBad, node_fetch
 from snapshotter.snapshotter import (
     LABEL_DIFF_ID,
     LABEL_LAYER_DIGEST,
@@ -407,26 +407,35 @@ class RemoteLayers:
             self._diff_ids[path] = diff_id  # what the folder is, whichever chain asks
             self._check_chain(blob, image, target, parent_chain, diff_id, labels)
             return path, diff_id
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=self.unpacked_dir)
+        made: list[str] = []  # the folders unpacked into (a second one if the swarm's copy proved bad)
+
+        def unpack_into_new(tar: BinaryIO) -> str:
+            made.append(tempfile.mkdtemp(prefix=".tmp-", dir=self.unpacked_dir))
+            return unpack(tar, made[-1], what).diff_id
+
         try:
-            diff_id = self._with_tar(blob, compression, what, lambda tar: unpack(tar, tmp, what).diff_id)
+            diff_id = self._with_tar(blob, compression, what, unpack_into_new)
             self._check_chain(blob, image, target, parent_chain, diff_id, labels)
-            os.rename(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            os.rename(made.pop(), path)
+        finally:
+            for tmp in made:
+                shutil.rmtree(tmp, ignore_errors=True)
         self._diff_ids[path] = diff_id
         return path, diff_id
 
     def _with_tar(self, blob: BlobRef, compression: str, what: str, use: Callable[[BinaryIO], str]) -> str:
         """use(the blob's decompressed tar stream), the blob read through the node's fetch
-        chain; the blob is read to its end after, so its digest is checked (BlobReader)
-        before the result counts."""
-        with self.fetch.open_blob(blob, what) as stream:
-            result = use(Decompressing(stream, compression, what))  # type: ignore[arg-type]
-            while stream.read(1 << 20):
-                pass
-        return result
+        (the swarm's bulk path, or the node's own chain: NodeFetch.read_whole); the blob is
+        read to its end after, so its digest is checked before the result counts. When
+        the swarm's copy proves bad (SwarmCopyBad, logged), use() runs once more on the
+        blob from the node's own chain."""
+        def on_tar(stream: BlobReader) -> str:
+            return use(Decompressing(stream, compression, what))  # type: ignore[arg-type]
+
+        try:
+            return self.fetch.read_whole(blob, what, on_tar)
+        except SwarmCopyBad:
+            return self.fetch.read_whole(blob, what, on_tar, swarm=False)
 
     def _check_chain(self, blob: BlobRef, image: str, target: str, parent_chain: str, diff_id: str,
                      labels: dict[str, str]) -> None:

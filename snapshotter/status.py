@@ -92,7 +92,10 @@ def fetch_figures(data_path: dict, node: dict | None = None) -> dict:
     while, cache/source.py).
     `node`: what the node process fetched itself (snapshotter/nodefetch.py: manifests,
     configs, profiles, blobs of layers to unpack), added to the region's and origin's
-    bytes; manifest_bytes and unpack_bytes say how much of them that was."""
+    bytes; manifest_bytes and unpack_bytes say how much of them that was. A blob to
+    unpack that came through the swarm's bulk path (unpack_swarm_bytes) is in the layer
+    file system's figures by source (peers, and its fallback's region and origin) and
+    not in the node process's own."""
     sources = data_path.get("sources") or {}
     swarm = sources.get("swarm") or {}
     node = node or {}
@@ -105,6 +108,8 @@ def fetch_figures(data_path: dict, node: dict | None = None) -> dict:
         "bytes_from_origin": _bytes(sources, "origin") + _bytes(own, "origin") + _bytes(manifests, "origin"),
         "manifest_bytes": _bytes(manifests, "region") + _bytes(manifests, "origin"),
         "unpack_bytes": blobs.get("whole_bytes", 0),
+        # of them through the swarm's bulk path (by source in the layer file system's figures: peers, region, origin)
+        "unpack_swarm_bytes": blobs.get("whole_swarm_bytes", 0),
         "bytes_to_peers": swarm.get("bytes_to_peers", 0),
         "swarm": "swarm" in sources,
         "peers_connected": swarm.get("peers_connected", 0),
@@ -146,6 +151,9 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_unpack_bytes_total", counter,
          "Compressed bytes of layers the node downloaded to unpack (counted by source above too).",
          f.get("unpack_bytes")),
+        ("shoal_node_unpack_swarm_bytes_total", counter,
+         "Of the bytes of layers to unpack, those that came through the swarm's bulk path (by source above too).",
+         f.get("unpack_swarm_bytes")),
         ("shoal_node_uploaded_bytes_total", counter, "Bytes sent to swarm peers.", swarm.get("bytes_to_peers")),
         ("shoal_node_swarm_peers_connected", gauge, "Distinct peers connected.", swarm.get("peers_connected")),
         ("shoal_node_swarm_torrents", gauge, "Blobs in the swarm session.", swarm.get("torrents")),

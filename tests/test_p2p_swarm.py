@@ -303,6 +303,93 @@ def test_a_corrupt_region_copy_reaches_no_reader_through_the_swarm(world, nodes)
     assert not stored.exists() or "sha256:" + netlab.sha256_file(stored) == digest
 
 
+def _gzip_image(world: World, name: str, sizes: tuple[int, ...]) -> tuple[netlab.LabImage, dict[str, str]]:
+    """A one-layer gzip image of random files (not converted: nodes unpack its layer),
+    pushed to the origin as it is, its layer's torrent ready at the region; with the
+    sha256 of each file (f0, f1, ...)."""
+    from tests.lab.fromdir import build_image
+
+    work = world.workdir / name
+    tree = work / "tree"
+    tree.mkdir(parents=True)
+    files = {}
+    for i, size in enumerate(sizes):
+        data = random.Random(f"{name}{i}").randbytes(size)
+        (tree / f"f{i}").write_bytes(data)
+        files[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    build_image([str(tree)], f"oci:{work}/gz:v1", compression="gzip", workdir=str(work))
+    image = netlab.push_unchanged(world.lab, world.registry, work / "gz", "v1", f"swarm/{name}")
+    for layer in image.layers:
+        netlab.wait_torrent(world.lab, world.region, world.registry, image.repository, layer["digest"])
+    return image, files
+
+
+def _unpacked(node: netlab.LabNode, status: dict, files: dict[str, str]) -> dict[str, str]:
+    """The node's one unpacked layer's files: name -> sha256."""
+    [unpacked] = status["unpacked_layers"]
+    folder = node.root / "unpacked" / unpacked.split(":", 1)[1]
+    return {name: netlab.sha256_file(folder / name) for name in files}
+
+
+def test_a_peer_sending_corrupt_pieces_makes_no_bad_unpack(world, nodes):
+    """(3c) The bulk path of a layer the node unpacks (a gzip layer, no TOC): node 1
+    unpacks it, its whole blob through its swarm, and seeds it; its torrent storage is
+    then corrupted (every fourth piece). Node 2 unpacks the layer: the bad pieces node 1
+    sends fail their hash, node 1 is banned, the rest comes from the region; node 2's
+    files are right and its unpack bytes are the swarm's."""
+    image, files = _gzip_image(world, "gzip-corrupt", (10 * MiB, 6 * MiB))
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    a, b = nodes(2, swarm=PATIENT)
+    assert a.provide(world.lab, image) == []  # unpacked, not lazy
+    assert a.status()["fetch"]["unpack_swarm_bytes"] == size
+    path = a.root / "swarm" / "data" / ("sha256-" + digest[7:])
+    with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
+        for p in range(1, size // PIECE, 4):
+            fh.seek(p * PIECE + 1000)
+            fh.write(os.urandom(4096))
+    assert b.provide(world.lab, image) == []
+    status = b.status()
+    assert _unpacked(b, status, files) == files
+    f = status["fetch"]
+    assert f["unpack_bytes"] == f["unpack_swarm_bytes"] == size, (f, b.log())
+    assert f["hash_failures"] >= 1, f
+    assert f["peers_banned"] >= 1, f
+    assert f["bytes_from_peers"] > 0 and f["bytes_from_region"] > 0, f
+    assert status["node_fetch"]["blobs"]["swarm_copies_bad"] == 0  # the swarm let no bad piece into the file
+    log = b.log(1 << 20)
+    assert "failed its hash check" in log and "banned peer" in log
+
+
+def test_a_rotted_swarm_copy_makes_no_bad_unpack(world, nodes):
+    """(3d) A node's own complete copy of a blob in its torrent storage rots after the
+    swarm checked it (seeded, so not checked again): the node unpacking that layer reads
+    the file, finds it does not hash to the digest, drops it from the swarm and unpacks
+    the layer again from the region; nothing built from the bad copy is committed."""
+    from shoal import localrpc
+
+    image, files = _gzip_image(world, "gzip-rot", (8 * MiB,))
+    [layer] = image.layers
+    digest, size = layer["digest"], layer["size"]
+    [a] = nodes(1)
+    blob = {"registry": world.registry.host, "repository": image.repository, "digest": digest, "size": size,
+            "plain_http": True}
+    path = localrpc.call(str(a.root / "fs.sock"), {"op": "download", "blob": blob, "timeout": 120}, 150)["path"]
+    with open(path, "r+b") as fh:  # one inverted byte in the middle
+        fh.seek(size // 2)
+        byte = fh.read(1)
+        fh.seek(size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert a.provide(world.lab, image) == []
+    status = a.status()
+    assert _unpacked(a, status, files) == files
+    blobs = status["node_fetch"]["blobs"]
+    assert blobs["swarm_copies_bad"] == 1 and blobs["whole_swarm"] == 1, blobs  # (its digest_mismatches: 1)
+    assert status["fetch"]["unpack_bytes"] == 2 * size and status["fetch"]["unpack_swarm_bytes"] == size
+    log = a.log(1 << 20)
+    assert "the swarm's copy does not hash to" in log and "dropping the torrent" in log, log
+
+
 @pytest.mark.skipif(shutil.which("aria2c") is None, reason="aria2c is not installed (Debian package aria2)")
 def test_aria2_without_the_node_token_gets_nothing(world, nodes):
     """(4) A stock BitTorrent client with only the .torrent the region publishes (and so

@@ -8,7 +8,10 @@ asks for (RankClient, through the relay).
   or a region outage does not lose it.
 - Fast "no": a 404, a refused or timed-out connection (connect timeout 0.5 s) or a bad
   answer gives None, remembered for a back-off (1 s, doubling to 30 s, or the server's
-  Retry-After), so a read never waits on a region that cannot answer.
+  Retry-After), so a read never waits on a region that cannot answer. A 404 with
+  Retry-After means "not yet": the region has started filling the blob and makes the
+  metadata once the fill is verified; `waiting()` tells a caller that may wait for it
+  (a whole blob to unpack, p2p/control.py `fetch_blob`) from one that should move on.
 - The node's registry credentials for the blob's repository go along as Basic auth, as
   for blob reads from the region (and by the same rule: HTTPS only, see
   cache.region.client.RegionLink): metadata of a private blob is as private as its
@@ -52,6 +55,7 @@ class MetadataClient:
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
         self._failed: dict[str, tuple[float, float]] = {}  # digest -> (retry at, back-off)
+        self._pending: set[str] = set()  # digests whose last answer was 404 with Retry-After (a fill)
         self._local = threading.local()
         self.stats = {"fetched": 0, "from_disk": 0, "missing": 0, "refused": 0, "errors": 0}
 
@@ -97,8 +101,21 @@ class MetadataClient:
             session = self._local.session = self.link.session()
         return session
 
+    def waiting(self, digest: str) -> float | None:
+        """Seconds until the region may have the blob's metadata, when its last answer was
+        "not yet" (404 with Retry-After: a fill under way); None when it said no otherwise
+        (or nothing yet), so waiting would not help."""
+        with self._lock:
+            if digest not in self._pending:
+                return None
+            return max(0.0, self._failed.get(digest, (0.0, 0.0))[0] - time.monotonic())
+
     def _fail(self, digest: str, retry_after: float | None = None) -> None:
         with self._lock:
+            if retry_after is None:
+                self._pending.discard(digest)
+            else:
+                self._pending.add(digest)
             previous = self._failed.get(digest, (0.0, self._min_retry / 2))[1]
             backoff = min(self._max_retry, max(self._min_retry, previous * 2))
             if retry_after is not None:
@@ -155,6 +172,7 @@ class MetadataClient:
         os.replace(tmp, self._path(digest))
         with self._lock:
             self._failed.pop(digest, None)
+            self._pending.discard(digest)
         self.stats["fetched"] += 1
         return meta, announce
 

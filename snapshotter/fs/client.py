@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from cache.source import BlobRef
 from shoal import localrpc
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 from shoal.fsutil import private_dir
@@ -228,6 +229,20 @@ class FSClient:
         {"path", "seconds"} (p2p/control.py `download`)."""
         request = {"op": "download", "layer": layer, "timeout": timeout}
         return localrpc.call(self.sock_path, request, (timeout or 600.0) + 30, "layer file system")
+
+    def fetch_blob(self, blob: BlobRef, metadata_wait: float, stall: float, timeout: float) -> str:
+        """The whole blob (its size known) through the swarm's bulk path, into the torrent
+        storage: the path of the complete file, checked against the blob's digest and
+        seeded (p2p/control.py `fetch_blob`: waits up to `metadata_wait` s for a region
+        that is filling the blob, gives up after `stall` s without a piece; `timeout`:
+        the whole call, at most). ShoalError when the swarm cannot (it is off, no
+        metadata, a stall, ...): the caller fetches the blob another way."""
+        request = {"op": "fetch_blob", "blob": blob.to_dict(), "metadata_wait": metadata_wait, "stall": stall}
+        return str(localrpc.call(self.sock_path, request, timeout, "layer file system")["path"])
+
+    def forget_blob(self, blob: BlobRef, why: str) -> None:
+        """Drop the blob's torrent and file from the swarm (its file proved bad)."""
+        self._call("forget_blob", timeout=30, blob=blob.to_dict(), why=why)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server by its PID and wait until the mount is gone (the supervisor,

@@ -20,7 +20,9 @@ snapshotter/fs/client.py FSClient has a typed method for every op:
                                                          forget them. From the CRI proxy
                                                          (snapshotter/criproxy.py); never logged
     {"op": "stats"}, {"op": "download", ...}          -> the swarm's ops (p2p/control.py), when
-                                                         the node's fetch chain has a swarm
+    {"op": "fetch_blob", ...}, {"op": "forget_blob"}     the node's fetch chain has a swarm
+                                                         (fetch_blob: a whole blob the node
+                                                         process unpacks, through the bulk path)
 
 HEX is a layer's blob digest hex (ROOT/layers/HEX), ENTRY an access profile's row
 (prefetch/profile.py); warmth rows and the prefetch figures are prefetch/warmup.py's.
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.fs")
 
 SOCKET_NAME = "fs.sock"  # ROOT/fs.sock
-SWARM_OPS = ("stats", "download")  # served by the swarm's Control (p2p/control.py)
+SWARM_OPS = ("stats", "download", "fetch_blob", "forget_blob")  # served by the swarm's Control (p2p/control.py)
 
 
 def software_version() -> str:

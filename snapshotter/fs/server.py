@@ -28,7 +28,7 @@ parsing it. The TOC's bytes count by source in the chain's figures, and in `tocs
 Control ops (snapshotter/fs/control.py, the node's one control socket; FSClient calls
 them): ping, load {id}, unload {id}, status, profile {layers?}, prefetch {chunks? whole?},
 warmth {chunks? whole?}, prove {id, urgent?}, mark_bad {id, reason}, and the swarm's
-(p2p/control.py: stats, download) when the node's fetch chain has one.
+(p2p/control.py: stats, download, fetch_blob, forget_blob) when the node's fetch chain has one.
 
 Proofs (fs/proof.py): `prove` answers, once it is known, the diff_id the layer's whole
 blob decompresses to, {"diff_id"} or {"error", "final"}. One computation per layer

@@ -527,6 +527,19 @@ def push_image(lab: Lab, registry: LabRegistry, layout: Path, name: str) -> LabI
     return image
 
 
+def push_unchanged(lab: Lab, registry: LabRegistry, layout: Path, tag: str, repository: str) -> LabImage:
+    """Copy the image tagged `tag` in an OCI layout to the origin as it is (a gzip image
+    stays gzip: nodes unpack its layers), from inside the hub."""
+    code = ("import sys\n"
+            "from tests.torchimage import push\n"
+            "push(sys.argv[1], sys.argv[2], sys.argv[3], repo=sys.argv[4])\n")
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, str(layout), tag, registry.host, repository], timeout=300,
+                   cwd=REPO_ROOT, env=_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"push of {layout}:{tag} failed: {proc.stderr[-2000:]}")
+    return layout_image(layout, f"{registry.host}/{repository}:{tag}")
+
+
 def layout_image(layout: Path, ref: str) -> LabImage:
     """The LabImage `ref` of the image in an OCI layout (pushed there unchanged)."""
     from builder.oci.refs import open_source
