@@ -265,8 +265,9 @@ _LAB_READ = ("import hashlib, json, sys\n"
 
 
 def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: int, mbit: float,
-                 fill_window: str | None = None) -> dict:
-    """Scenario 4 in a network lab: the origin behind a link capped at `mbit`."""
+                 fill_window: str | None = None, origin_tls: bool = False) -> dict:
+    """Scenario 4 in a network lab: the origin behind a link capped at `mbit` (HTTPS with
+    `origin_tls`, as registries are served)."""
     from tests.lab import netlab
 
     start, end = max(0, size - (1 << 20)), size
@@ -282,6 +283,10 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
         registry = netlab.start_registry(lab, work / "lab-origin", host=origin_host)
         netlab.push_blob(lab, registry, REPOSITORY, blob_path, digest)
         netlab.push_blob(lab, registry, REPOSITORY, work / "warm-blob", warm_digest)
+        if origin_tls:  # the same storage served over HTTPS (the blobs pushed in plain HTTP first)
+            lab.kill(registry.proc, signal.SIGTERM)
+            registry = netlab.start_registry(lab, work / "lab-origin-tls", host=origin_host,
+                                             storage=work / "lab-origin" / "registry", tls=True)
         lab.cap(origin_host, mbit)
 
         def read(host: str, port: int, blob: str, a: int, b: int, then_status: bool = False, ca: str = "",
@@ -335,7 +340,7 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
 
         for i in range(samples):
             for first, times in (("", origin_times), (warm_first, kept_origin)):
-                got = read(ohost, int(oport), digest, start, end, first=first)
+                got = read(ohost, int(oport), digest, start, end, first=first, ca=registry.ca)
                 if got["sha"] != want:
                     raise RuntimeError("the origin answered wrong bytes")
                 times.append(got["seconds"])
@@ -346,7 +351,7 @@ def run_tail_lab(work: Path, digest: str, size: int, blob_path: Path, samples: i
             kept_region.append(cold_region(i, True)["seconds"])
     figures = _tail_figures(start, end, samples, origin_times, region_times, fill_at_answer, origin_ratio)
     origin_kept_s, region_kept_s = statistics.median(kept_origin), statistics.median(kept_region)
-    figures.update(origin_mbit=mbit, origin_kept_s=round(origin_kept_s, 4), region_cold_kept_s=round(region_kept_s, 4),
+    figures.update(origin_mbit=mbit, origin_tls=origin_tls, origin_kept_s=round(origin_kept_s, 4), region_cold_kept_s=round(region_kept_s, 4),
                    kept_ratio=round(region_kept_s / origin_kept_s, 2),
                    origin_kept_times_s=[round(t, 4) for t in kept_origin],
                    region_kept_times_s=[round(t, 4) for t in kept_region])
@@ -375,6 +380,8 @@ def main() -> int:
                    help="throughput (1-3), tail (4) or all (default)")
     p.add_argument("--samples", type=int, default=3, help="cold regions measured in the tail scenario (default 3)")
     p.add_argument("--origin-mbit", type=float, help="tail scenario in a network lab, the origin's link capped (root)")
+    p.add_argument("--origin-tls", action="store_true", help="with --origin-mbit: the origin serves HTTPS, as "
+                   "registries do (else plain HTTP, while the region serves HTTPS)")
     p.add_argument("--fill-window", help='the region\'s fill_window (e.g. "1T": every range waits for the fill)')
     args = p.parse_args()
     size = (args.size_mb or (100 if args.quick else 1024)) << 20
@@ -399,7 +406,7 @@ def main() -> int:
                 f"({args.samples} samples)")
             if args.origin_mbit:
                 tail = run_tail_lab(work, digest, size, blob_path, max(1, args.samples), args.origin_mbit,
-                                    args.fill_window)
+                                    args.fill_window, args.origin_tls)
             else:
                 tail = run_tail(work, registry, digest, size, blob_path, max(1, args.samples), args.fill_window)
         if args.scenario == "tail":
@@ -485,6 +492,7 @@ def report_tail(tail: dict, size: int, as_json: bool) -> int:
         emit_json({"blob_bytes": size, "cpus": os.cpu_count(), "tail": tail})
         return 0
     link = f"the origin behind a {tail['origin_mbit']:g} Mbit/s link" if tail.get("origin_mbit") else "loopback"
+    link += ", the origin on HTTPS" if tail.get("origin_tls") else ""
     print(f"the last MiB of a cold {size >> 20} MiB blob ({link}; median of {tail['samples']}, new connection each)")
     print(table(["served by", "seconds"], [["origin registry, direct", f"{tail['origin_s']:.4f}"],
                                           ["region cache, cold", f"{tail['region_cold_s']:.4f}"]]))

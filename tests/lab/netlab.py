@@ -280,6 +280,7 @@ class LabRegistry:
     host: str
     log_path: Path
     proc: subprocess.Popen
+    ca: str = ""  # its CA when it serves HTTPS (start_registry tls)
 
     def bytes_written(self, uri_contains: str = "", method: str = "GET") -> tuple[int, int]:
         """(requests, response bytes) the registry logged for matching requests."""
@@ -292,11 +293,18 @@ class LabRegistry:
 
 
 def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None = None,
-                   host: Host | None = None, storage: Path | None = None) -> LabRegistry:
+                   host: Host | None = None, storage: Path | None = None, tls: bool = False) -> LabRegistry:
     """docker-registry in the hub, or in `host` (a node namespace: behind its capped link);
     `auth`: its `auth` configuration (e.g. token), if any; `storage`: a registry storage
-    folder to serve (images pushed there before), else an empty one in `workdir`."""
+    folder to serve (images pushed there before), else an empty one in `workdir`; `tls`:
+    HTTPS with a CA of its own (`.ca`), as registries are served."""
     host = host or lab.hub
+    ca, https = "", {}
+    if tls:
+        from cache.region.tls import ensure_region_tls
+
+        made = ensure_region_tls(str(workdir / "registry-tls"), host.ip)
+        ca, https = made.ca, {"tls": {"certificate": made.cert, "key": made.key}}
     storage = storage or workdir / "registry"
     storage.mkdir(parents=True, exist_ok=True)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -305,26 +313,27 @@ def start_registry(lab: Lab, workdir: Path, port: int = 5000, auth: dict | None 
         "version": 0.1,
         "log": {"level": "info", "formatter": "json", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(storage)}},
-        "http": {"addr": f"{host.ip}:{port}", "secret": os.urandom(16).hex()},
+        "http": {"addr": f"{host.ip}:{port}", "secret": os.urandom(16).hex(), **https},
         **({"auth": auth} if auth else {}),
     }))
     log_path = workdir / "registry.log"
     with open(log_path, "wb") as log:
         proc = lab.popen(host, [REGISTRY_BIN, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    reg = LabRegistry(f"{host.ip}:{port}", log_path, proc)
-    wait_http(lab, host, f"http://{reg.host}/v2/", proc)
+    reg = LabRegistry(f"{host.ip}:{port}", log_path, proc, ca)
+    wait_http(lab, host, f"{'https' if tls else 'http'}://{reg.host}/v2/", proc, ca=ca)
     return reg
 
 
-def wait_http(lab: Lab, host: Host, url: str, proc: subprocess.Popen, timeout: float = 20) -> None:
-    code = ("import sys,urllib.request,urllib.error\n"
-            "try: urllib.request.urlopen(sys.argv[1], timeout=1)\n"
+def wait_http(lab: Lab, host: Host, url: str, proc: subprocess.Popen, timeout: float = 20, ca: str = "") -> None:
+    code = ("import ssl,sys,urllib.request,urllib.error\n"
+            "ctx = ssl.create_default_context(cafile=sys.argv[2]) if sys.argv[2] else None\n"
+            "try: urllib.request.urlopen(sys.argv[1], timeout=1, context=ctx)\n"
             "except urllib.error.HTTPError: pass\n")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the server exited with status {proc.returncode}")
-        if lab.run(host, [sys.executable, "-c", code, url], timeout=10).returncode == 0:
+        if lab.run(host, [sys.executable, "-c", code, url, ca], timeout=10).returncode == 0:
             return
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer within {timeout}s")
@@ -443,13 +452,14 @@ def start_region(lab: Lab, workdir: Path, registry: LabRegistry, port: int = 508
     store = workdir / "region"
     store.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "region.log"
-    argv = [SHOAL, "-v", "region", "--listen", f"{HUB_IP}:{port}", "--origin", f"http://{registry.host}",
-            "--store", str(store)]
+    argv = [SHOAL, "-v", "region", "--listen", f"{HUB_IP}:{port}", "--origin",
+            f"{'https' if registry.ca else 'http'}://{registry.host}", "--store", str(store)]
     if config:
         (workdir / "region.toml").write_text(config)
         argv += ["--config", str(workdir / "region.toml")]
     with open(log_path, "ab") as log:
-        proc = lab.popen(lab.hub, argv, stdout=subprocess.PIPE, stderr=log, cwd=REPO_ROOT, env=_env())
+        proc = lab.popen(lab.hub, argv, stdout=subprocess.PIPE, stderr=log, cwd=REPO_ROOT,
+                         env={**_env(), **({"SSL_CERT_FILE": registry.ca} if registry.ca else {})})
     line = read_line(proc, 30)
     if not line.startswith("shoal region: serving"):
         raise RuntimeError(f"region: unexpected {line!r}")
