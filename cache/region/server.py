@@ -107,6 +107,7 @@ _MAX_REMEMBERED = 100_000
 RECHECK_EVERY = 300.0  # seconds: a reported blob is hashed again at most this often
 _CHECK_THREADS = 2  # whole stored blobs hashed at once (apart from the serving threads)
 _AHEAD_PIECE = 64 << 10  # bytes a range read hands on at a time (clients get them as they come)
+RANGE_MEMORY = 4 << 20  # bytes of a running range read kept in memory for its clients (RangeRead.mem)
 MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range reads' bytes
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 HOLD_SWEEP = 5.0  # seconds between looks for held fills whose holds ran out
@@ -278,6 +279,9 @@ class RangeRead:
     got: int = 0
     done: bool = False
     error: HTTPFailure | None = None
+    # while it runs, its first RANGE_MEMORY bytes as written to the staging file: clients
+    # keeping up with it are served from here, without reading the file back
+    mem: bytearray = field(default_factory=bytearray)
 
     def covers(self) -> int:
         """The end of what this read has brought or will bring."""
@@ -357,6 +361,14 @@ class Fill:
         while (read := self.bringing(at)) is not None:
             at = read.covers()
         return at
+
+    def from_memory(self, pos: int, n: int) -> bytes | None:
+        """Up to `n` bytes from `pos` that a running range read holds in memory (RangeRead.mem)."""
+        for r in self.ranges:
+            k = min(n, r.start + len(r.mem) - pos)
+            if r.start <= pos and k > 0:
+                return bytes(r.mem[pos - r.start:pos - r.start + k])
+        return None
 
     def bringing(self, pos: int) -> RangeRead | None:
         """The range read that brings (or brought) byte `pos`, if any."""
@@ -1225,9 +1237,14 @@ class RegionCache:
                     _abort(request)
                     return resp
                 continue
-            data = await self._run(os.pread, fill.fd, n, pos)
-            if len(data) != n:
-                raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
+            # a range answer may take a running range read's bytes from memory (maybe fewer
+            # than n); a whole one is the fill's hashed bytes, read from the file
+            data = fill.from_memory(pos, n) if ahead else None
+            if data is None:
+                data = await self._run(os.pread, fill.fd, n, pos)
+                if len(data) != n:
+                    raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
+            n = len(data)
             await resp.write(data)
             pos += n
             note["bytes"] += n
@@ -1321,7 +1338,10 @@ class RegionCache:
                         await fill.wait_until(lambda: fill.fd >= 0 or fill.done)
                         if fill.done or fill.written >= read.end:
                             return  # the fill has passed it
-                        await self._run(_write_ahead, fill, bytes(buf), pos)
+                        data = bytes(buf)
+                        await self._run(_write_ahead, fill, data, pos)
+                        if len(read.mem) == pos - read.start and pos + len(data) - read.start <= RANGE_MEMORY:
+                            read.mem += data
                         pos += len(buf)
                         buf.clear()
                         read.got = pos - read.start
@@ -1344,7 +1364,7 @@ class RegionCache:
             log.exception("range read of %s failed", what)
         finally:
             read.end = read.start + read.got if read.error is None else read.end
-            read.done = True
+            read.done, read.mem = True, bytearray()  # (what clients still need is in the file)
             fill.notify()
             fill.release_reader()
 
