@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -25,10 +26,11 @@ from builder.convert import convert
 from builder.oci.refs import open_source
 from snapshotter.fs import holder
 from snapshotter.fs.client import FSClient
+from snapshotter.fs.session import NO_RESEND_ENV
 from snapshotter.remote import RemoteLayers
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, lazy_app_image
-from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, wait_for
+from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, start_registry, wait_for
 from tests.test_lazy_fs import layer_labels, prepare_tree
 
 pytestmark = [pytest.mark.registry]
@@ -159,6 +161,105 @@ def test_kill_9_of_the_server_and_an_upgrade_lose_no_read(lazy_image, module_reg
           + ", ".join(f"{k} {v:.3f}s" for k, v in pauses.items()))
     upgraded.fs.stop()
     wait_for(lambda: holder.ping(str(node_root)) is None, "the holder's exit at the stop", timeout=30)
+
+
+# A child that reads a file whole with O_DIRECT: each read(2) is READ requests whose answer
+# (data or error) is what it gets, with no page cache in between (a buffered read's failed
+# readahead would be tried again by the kernel as a read of one page).
+DIRECT_READER = """
+import hashlib, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
+h = hashlib.sha256()
+try:
+    while chunk := os.read(fd, 1 << 20):
+        h.update(chunk)
+except OSError as e:
+    sys.exit(f"read: {e.strerror}")
+print(h.hexdigest())
+"""
+IN_FLIGHT_TIMEOUT = 90.0  # a reader still blocked after this has hung (the read deadline is 600 s)
+
+
+@pytest.mark.parametrize("resend", [True, False], ids=["resend", "kernel without resend"])
+def test_a_read_in_flight_at_kill_9_is_answered_after_the_takeover(resend, node_root, tmp_path, monkeypatch):
+    """A READ waits in shoal-fs (its registry accepts connections and never answers:
+    SIGSTOP) when shoal-fs is killed -9; the node's supervisor starts a new server, which
+    takes the session over from the holder. With FUSE_NOTIFY_RESEND the kernel sends the
+    READ again and it succeeds once the registry answers. Acting as a kernel without it
+    (SHOAL_FUSE_NO_RESEND=1, from the INIT on), the new server answers that READ EIO
+    from the dead one's in-flight table: the reader gets EIO long before any deadline,
+    never a hang, and later reads succeed."""
+    if resend:
+        monkeypatch.delenv(NO_RESEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NO_RESEND_ENV, "1")
+    root, clients = node_root
+    (tmp_path / "registry").mkdir()
+    registry = start_registry(tmp_path / "registry", None)
+    stopped = False
+    reader = None
+    try:
+        layers = RemoteLayers(str(root), {"read_deadline": 600.0})
+        clients.append(layers.fs)
+        layers.start()
+        digests = {}
+        (tmp_path / "tree/data").mkdir(parents=True)
+        for name in ("a", "b"):
+            data = os.urandom(1 << 20)
+            (tmp_path / "tree/data" / name).write_bytes(data)
+            digests[name] = hashlib.sha256(data).hexdigest()
+        mount, layer = prepare_tree(layers, registry.host, "inflight/img", tmp_path / "tree", tmp_path)
+        wait_for(lambda: (holder.ping(str(root)) or {}).get("holding"), "the holder", timeout=10)
+        os.kill(registry.pid, signal.SIGSTOP)
+        stopped = True
+
+        def reads() -> int:
+            return sum(ly["reads"] for ly in layers.fs.status()["layers"])
+
+        before = reads()
+        reader = subprocess.Popen([sys.executable, "-c", DIRECT_READER, str(mount / "data/a")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: reads() > before, "the READ in shoal-fs", timeout=30)
+        time.sleep(0.5)  # (its worker asks the stopped registry)
+        assert reader.poll() is None  # blocked in the server
+        first = layers.fs.ping()["pid"]
+        os.kill(first, signal.SIGKILL)
+        if resend:
+            os.kill(registry.pid, signal.SIGCONT)
+            stopped = False
+        wait_for(lambda: layers.fs.restarts >= 1, "the supervisor's restart", timeout=60)
+        assert layers.fs.ping()["pid"] != first
+        try:
+            out, err = reader.communicate(timeout=IN_FLIGHT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the read in flight at kill -9 still blocked after {IN_FLIGHT_TIMEOUT:.0f}s")
+        log = (root / "logs/fs.log").read_text()
+        assert "taking over the FUSE session" in log
+        if resend:
+            assert reader.returncode == 0, err
+            assert out.strip() == digests["a"]
+            assert "answered EIO" not in log
+        else:
+            assert reader.returncode != 0 and "Input/output error" in err, (out, err)
+            line = next((ln for ln in log.splitlines() if "answered EIO" in ln), "")
+            assert "without FUSE_NOTIFY_RESEND" in line and str(root / "mnt") in line, log[-3000:]
+            assert f"READ of layer {layer['digest']}" in line, line
+            os.kill(registry.pid, signal.SIGCONT)
+            stopped = False
+        # later reads succeed: the other file, and the one whose read failed
+        for name in ("b", "a"):
+            done = subprocess.run([sys.executable, "-c", DIRECT_READER, str(mount / "data" / name)],
+                                  capture_output=True, text=True, timeout=IN_FLIGHT_TIMEOUT, check=False)
+            assert done.returncode == 0 and done.stdout.strip() == digests[name], done.stderr
+    finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()  # (a read blocked in FUSE dies with SIGKILL)
+            reader.wait(30)
+        if stopped:
+            os.kill(registry.pid, signal.SIGCONT)
+        for client in clients:
+            client.stop()
+        registry.stop()
 
 
 def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):

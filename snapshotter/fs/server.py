@@ -537,6 +537,15 @@ class LayerFS:
             case _:
                 return [p.reply_error(u, errno.ENOSYS)]
 
+    def describe(self, inode: int) -> str:
+        """What a log line calls an inode: its layer and image (any thread)."""
+        if inode == p.ROOT_ID:
+            return "the mount's root"
+        layer = self.by_number.get(inode >> LAYER_SHIFT)
+        if layer is None:
+            return f"inode {inode:#x} (no layer loaded)"
+        return f"layer {layer.blob.digest} of {layer.image or '?'}"
+
     def layer_xattrs(self, inode: int) -> dict[str, bytes]:
         layer, node = self._resolve(inode)
         return layer.view.xattrs(node)
@@ -604,12 +613,14 @@ class LayerFS:
         except Exception as e:  # noqa: BLE001 - answered as the slow path answers it
             return [self._read_failed(u, layer, node, off, size, e)]
         if data is None:
-            self._read_pool.submit(self._read_slow, u, layer, node, off, size)
+            session = self.session
+            token = session.defer(u, fh) if session is not None else -1  # (before the worker can answer)
+            self._read_pool.submit(self._read_slow, u, layer, node, off, size, token)
             return None
         layer.read_bytes += len(data)
         return [p.reply_header(u, len(data)), data]
 
-    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int) -> None:
+    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int, token: int) -> None:
         try:
             data = layer.view.reader.read(node.path, off, size)
             layer.read_bytes += len(data)
@@ -619,7 +630,7 @@ class LayerFS:
         session = self.session
         if session is not None:
             try:
-                session.reply(out)
+                session.reply(out, token)
             except OSError as e:
                 log.error("FUSE reply to a read refused: %s", e)
 
@@ -669,6 +680,7 @@ def _lower_priority() -> None:
 # --- process ------------------------------------------------------------------------------
 
 
+HANDOVER_DRAIN = 5.0  # seconds a handover on a kernel without NOTIFY_RESEND waits for requests in flight
 READAHEAD_KB = 1024  # the node passes [fetch] readahead_kb; this is for a server started alone
 
 
@@ -709,11 +721,17 @@ def clear_dead_mount(mnt: str) -> None:
         log.warning("detached the mount left at %s", mnt)
 
 
-def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
+INFLIGHT_FILE = "fs-inflight"  # ROOT/fs-inflight: the session's in-flight table (session.InFlight)
+
+
+def open_session(root: str, mnt: str, log_path: str | None = None,
+                 describe: Callable[[int], str] | None = None) -> Session:
     """The FUSE session to serve: the one the descriptor holder keeps for `mnt`, taken
-    over (no INIT; Session.serve writes NOTIFY_RESEND first), or a new mount whose
-    descriptor goes to the holder once INIT is answered. Nothing here touches `mnt` while
-    a held session may be waiting for a server (a stat of it would wait for us)."""
+    over (no INIT; Session.serve writes NOTIFY_RESEND first, or on a kernel without it
+    answers EIO to what ROOT/fs-inflight records), or a new mount whose descriptor goes
+    to the holder once INIT is answered. Nothing here touches `mnt` while a held session
+    may be waiting for a server (a stat of it would wait for us)."""
+    inflight = os.path.join(root, INFLIGHT_FILE)
     held = holder.get(root)
     if held is not None:
         fd, state = held
@@ -724,7 +742,7 @@ def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
                 log.error("the held FUSE session of %s: %s: mounting anew", mnt, e)
             else:
                 log.info("taking over the FUSE session of %s from the descriptor holder", mnt)
-                return Session(fd, negotiated)
+                return Session(fd, negotiated, inflight=inflight, name=mnt, describe=describe)
         os.close(fd)
         holder.drop(root)  # a session of a mount that is gone: no one is served by it
     clear_dead_mount(mnt)
@@ -733,7 +751,8 @@ def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
         holder.ensure(root, log_path)  # before the mount: the descriptor goes to it right after INIT
     except (OSError, ShoalError) as e:
         log.error("no descriptor holder (a crash of this process will end the FUSE session): %s", e)
-    session = Session.mount(mnt)
+    session = Session.mount(mnt, inflight)
+    session.describe = describe
 
     def keep(negotiated: p.Negotiated) -> None:
         try:
@@ -760,7 +779,8 @@ def run(root: str, config: dict) -> int:
         except (ShoalError, OSError, ValueError, KeyError) as e:
             log.error("cannot restore layer %s: %s", layer_id, e)
     logs = os.path.join(root, "logs")
-    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None)
+    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None,
+                                        fs.describe)
     if not session.took_over:
         readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
         keep = session.on_init
@@ -794,6 +814,10 @@ def run(root: str, config: dict) -> int:
     finally:
         server.close()
         if stop["how"] == "handover":
+            if not session.has_resend:  # the next server could only answer them EIO: let them end
+                drain = time.monotonic() + HANDOVER_DRAIN
+                while session.table is not None and session.table.busy() and time.monotonic() < drain:
+                    time.sleep(0.01)
             log.info("handing the FUSE session of %s over to the next server", mnt)
         else:
             unmount(mnt)
