@@ -152,6 +152,7 @@ class FUSEError(Exception):
 _OP_NAMES = {p.Lookup: "lookup", p.Getattr: "getattr", p.Readdirplus: "readdir", p.Open: "open",
              p.Read: "read", p.Readlink: "readlink", p.Getxattr: "getxattr", p.Listxattr: "listxattr"}
 READ_WORKERS = 32  # reads that wait for the store or the network, at once
+MAX_PARTS = 512  # buffers of one READ reply's writev (IOV_MAX is 1024); more are joined first
 
 
 class LayerFS:
@@ -466,7 +467,7 @@ class LayerFS:
 
     # --- FUSE requests ----------------------------------------------------------------------
 
-    def handle(self, req: p.Request) -> list[bytes] | None:
+    def handle(self, req: p.Request) -> list | None:
         """The answer to one request (the session's Handler): the reply's buffers, None
         when there is none (FORGET, INTERRUPT) or a worker thread writes it later (a READ
         that loads chunks). Requests for nodeids this process never gave out are
@@ -486,9 +487,11 @@ class LayerFS:
                 counter[0] += 1
                 counter[1] += time.perf_counter() - start
 
-    def _answer(self, req: p.Request) -> list[bytes] | None:
+    def _answer(self, req: p.Request) -> list | None:
         u, inode = req.header.unique, req.header.nodeid
         match req:
+            case p.Read():  # (first: the hot path)
+                return self.read(u, req.fh, req.offset, req.size)
             case p.Lookup():
                 return [self.lookup(u, inode, req.name)]
             case p.Getattr():
@@ -496,8 +499,6 @@ class LayerFS:
                 return [p.reply_attr(u, attr, attr_valid_ns=_ns(ROOT_TIMEOUT if inode == p.ROOT_ID else TIMEOUT))]
             case p.Open():
                 return [self.open(u, inode, req.flags)]
-            case p.Read():
-                return self.read(u, req.fh, req.offset, req.size)
             case p.Opendir():
                 if inode != p.ROOT_ID:
                     layer, node = self._resolve(inode)
@@ -602,29 +603,35 @@ class LayerFS:
         # server closes the FUSE files it inherited before it serves)
         return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
-    def read(self, u: int, fh: int, off: int, size: int) -> list[bytes] | None:
+    def read(self, u: int, fh: int, off: int, size: int) -> list | None:
         layer, node = self._resolve(fh)
         layer.reads += 1
         self._refuse_bad(layer, node, "read")
         # Chunks already decompressed in memory are served here; anything that must be
         # loaded (store, network) goes to a worker thread, which writes the reply.
         try:
-            data = layer.view.reader.read_cached(node.path, off, size)
+            parts = layer.view.reader.read_cached(node.path, off, size)
         except Exception as e:  # noqa: BLE001 - answered as the slow path answers it
             return [self._read_failed(u, layer, node, off, size, e)]
-        if data is None:
+        if parts is None:
             session = self.session
             token = session.defer(u, fh) if session is not None else -1  # (before the worker can answer)
             self._read_pool.submit(self._read_slow, u, layer, node, off, size, token)
             return None
-        layer.read_bytes += len(data)
-        return [p.reply_header(u, len(data)), data]
+        return self._data_reply(u, layer, parts)
+
+    def _data_reply(self, u: int, layer: Layer, parts: list[memoryview]) -> list:
+        """A READ's reply: the header and views of the chunks' bytes, for one writev (the
+        payload is copied once, by the kernel)."""
+        n = sum(len(part) for part in parts)
+        layer.read_bytes += n
+        if len(parts) > MAX_PARTS:
+            parts = [memoryview(b"".join(parts))]
+        return [p.reply_header(u, n), *parts]
 
     def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int, token: int) -> None:
         try:
-            data = layer.view.reader.read(node.path, off, size)
-            layer.read_bytes += len(data)
-            out = [p.reply_header(u, len(data)), data]
+            out = self._data_reply(u, layer, layer.view.reader.read_parts(node.path, off, size))
         except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO
             out = [self._read_failed(u, layer, node, off, size, e)]
         session = self.session

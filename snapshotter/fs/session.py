@@ -56,7 +56,11 @@ log = logging.getLogger("shoal.fs")
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
 MAX_WRITE = 4096  # a read-only file system takes no WRITE: the smallest read buffer the kernel accepts
-READER_THREADS = 8
+# One reader thread: the requests it answers itself (metadata, reads from memory) are all
+# Python under the GIL, so more readers add no parallelism, only GIL handoffs between them
+# (measured with 8: ~11 futex calls and ~1.5x the CPU per READ; bench/fs_read.py).
+# Whatever waits (the store, the network) goes to the server's worker threads.
+READER_THREADS = 1
 DEFERRED_SLOTS = 4096  # READs waiting for a worker at once that the in-flight table records
 # A test and diagnostic knob: "1" makes shoal-fs act as on a kernel without
 # FUSE_NOTIFY_RESEND (INIT's FUSE_HAS_RESEND ignored; a takeover answers EIO instead).
@@ -64,7 +68,8 @@ NO_RESEND_ENV = "SHOAL_FUSE_NO_RESEND"
 # Requests that take no reply: a record of one is never answered.
 _NO_REPLY = frozenset({p.Opcode.FORGET, p.Opcode.BATCH_FORGET, p.Opcode.INTERRUPT})
 
-Reply = Sequence[bytes] | None
+Buffers = Sequence[bytes | memoryview]  # one message's parts, for writev
+Reply = Buffers | None
 Handler = Callable[[p.Request], Reply]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -236,7 +241,7 @@ class Session:
 
     # --- writing
 
-    def write(self, buffers: Sequence[bytes]) -> bool:
+    def write(self, buffers: Buffers) -> bool:
         """Write one message (the buffers are its parts, for writev). False when the
         kernel no longer waits for it (ENOENT)."""
         try:
@@ -256,7 +261,7 @@ class Session:
         table = self.table
         return table.defer(unique, nodeid) if table is not None else -1
 
-    def reply(self, buffers: Sequence[bytes], token: int = -1) -> bool:
+    def reply(self, buffers: Buffers, token: int = -1) -> bool:
         """The reply to a request deferred with `defer` (its token), from any thread."""
         try:
             return self.write(buffers)
