@@ -514,3 +514,45 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_the_in_flight_table_keeps_what_was_read_and_not_answered(tmp_path):
+    """session.InFlight: a request the kernel wrote into a reader's buffer is recorded
+    until the reader says it is answered; a READ handed to a worker until its reply; a
+    table written by a process that died (its mapping gone) still says so; requests that
+    take no reply are not listed; a file that is not a table lists nothing."""
+    from snapshotter.fs import protocol as p
+    from snapshotter.fs.session import InFlight
+
+    path = str(tmp_path / "fs-inflight")
+
+    def request(opcode: int, unique: int, nodeid: int) -> bytes:
+        return p.IN_HEADER.pack(p.IN_HEADER_SIZE, opcode, unique, nodeid, 0, 0, 1, 0)
+
+    child = os.fork()
+    if child == 0:  # the serving process: records, then dies without a word
+        try:
+            table = InFlight(path, 2, 8192)
+            table.buffer(0)[:p.IN_HEADER_SIZE] = request(p.Opcode.GETATTR, 0x10, 7)
+            table.buffer(1)[:p.IN_HEADER_SIZE] = request(p.Opcode.READ, 0x12, 9)
+            table.defer(0x12, 9)  # handed on: recorded twice for a moment
+            table.answered(1)
+            done = table.defer(0x14, 11)
+            table.done(done)  # answered by its worker
+            table.defer(0x16, 1 << 32 | 5)
+            busy = table.busy()
+            with open(f"{path}.busy", "w") as f:
+                f.write(str(busy))
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(child, 0)
+    assert (tmp_path / "fs-inflight.busy").read_text() == "3"
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert InFlight.pending(path) == [(0x10, p.Opcode.GETATTR, 7), (0x12, p.Opcode.READ, 9),
+                                      (0x16, p.Opcode.READ, 1 << 32 | 5)]
+    table = InFlight(path, 1, 8192)  # the next process's own table: nothing in flight
+    table.buffer(0)[:p.IN_HEADER_SIZE] = request(p.Opcode.FORGET, 0x20, 7)
+    assert InFlight.pending(path) == []
+    (tmp_path / "other").write_bytes(b"not a table" * 100)
+    assert InFlight.pending(str(tmp_path / "other")) == []
+    assert InFlight.pending(str(tmp_path / "missing")) == []
