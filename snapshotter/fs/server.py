@@ -158,8 +158,10 @@ MAX_PARTS = 512  # buffers of one READ reply's writev (IOV_MAX is 1024); more ar
 class LayerFS:
     """The operations of the layer file system over shoal's own FUSE protocol module.
 
-    Threads: `handle` runs on the session's reader threads (several at once) and on
-    READ_WORKERS worker threads for reads that must load chunks; it only reads the
+    Threads: `handle` runs on the session's reader thread (session.READER_THREADS; it
+    must never wait: a READ whose chunks are not in memory is recorded with
+    Session.defer and handed to one of READ_WORKERS worker threads, which writes the
+    reply with Session.reply and the token); it only reads the
     layer tables (a dict lookup is atomic). Everything that changes them (register,
     unload, mark_bad, the warm-up's queue) runs under `state`, an RLock the control
     socket's ops take too (control.py). Notifications to the kernel are written outside
