@@ -320,7 +320,7 @@ class Session:
             answered[key] = answered.get(key, 0) + 1
         self.failed_at_takeover = sum(answered.values())
         log.warning("takeover of %s on a kernel without FUSE_NOTIFY_RESEND: %d requests in flight at the "
-                    "crash answered EIO%s", self.name or "the session", self.failed_at_takeover,
+                    "takeover answered EIO%s", self.name or "the session", self.failed_at_takeover,
                     (": " + ", ".join(f"{k} x{n}" for k, n in sorted(answered.items()))) if answered else "")
         return self.failed_at_takeover
 
