@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -25,10 +26,11 @@ from builder.convert import convert
 from builder.oci.refs import open_source
 from snapshotter.fs import holder
 from snapshotter.fs.client import FSClient
+from snapshotter.fs.session import NO_RESEND_ENV
 from snapshotter.remote import RemoteLayers
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, lazy_app_image
-from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, wait_for
+from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, start_registry, wait_for
 from tests.test_lazy_fs import layer_labels, prepare_tree
 
 pytestmark = [pytest.mark.registry]
@@ -159,6 +161,162 @@ def test_kill_9_of_the_server_and_an_upgrade_lose_no_read(lazy_image, module_reg
           + ", ".join(f"{k} {v:.3f}s" for k, v in pauses.items()))
     upgraded.fs.stop()
     wait_for(lambda: holder.ping(str(node_root)) is None, "the holder's exit at the stop", timeout=30)
+
+
+# A child that reads a file whole with O_DIRECT: each read(2) is READ requests whose answer
+# (data or error) is what it gets, with no page cache in between (a buffered read's failed
+# readahead would be tried again by the kernel as a read of one page).
+DIRECT_READER = """
+import hashlib, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
+h = hashlib.sha256()
+try:
+    while chunk := os.read(fd, 1 << 20):
+        h.update(chunk)
+except OSError as e:
+    sys.exit(f"read: {e.strerror}")
+print(h.hexdigest())
+"""
+IN_FLIGHT_TIMEOUT = 90.0  # a reader still blocked after this has hung (the read deadline is 600 s)
+
+
+class InFlightRead:
+    """A node (supervised shoal-fs, read deadline 600 s) serving a layer of two 1 MiB
+    files from a registry of the test's own, which is then stopped (SIGSTOP: it accepts
+    connections and never answers) while an O_DIRECT read of data/a waits in shoal-fs.
+    `finish()` gives the reader's (returncode, stdout, stderr), or fails the test if it
+    is still blocked after IN_FLIGHT_TIMEOUT; `read(name)` reads a file anew."""
+
+    def __init__(self, root: Path, clients: list, tmp_path: Path):
+        self.root, self.clients = root, clients
+        (tmp_path / "registry").mkdir()
+        self.registry = start_registry(tmp_path / "registry", None)
+        self.stopped = False
+        self.reader: subprocess.Popen | None = None
+        self.layers = RemoteLayers(str(root), {"read_deadline": 600.0})
+        clients.append(self.layers.fs)
+        self.layers.start()
+        self.digests = {}
+        (tmp_path / "tree/data").mkdir(parents=True)
+        for name in ("a", "b"):
+            data = os.urandom(1 << 20)
+            (tmp_path / "tree/data" / name).write_bytes(data)
+            self.digests[name] = hashlib.sha256(data).hexdigest()
+        self.mount, self.layer = prepare_tree(self.layers, self.registry.host, "inflight/img", tmp_path / "tree",
+                                              tmp_path)
+        wait_for(lambda: (holder.ping(str(root)) or {}).get("holding"), "the holder", timeout=10)
+        os.kill(self.registry.pid, signal.SIGSTOP)
+        self.stopped = True
+        before = self.reads()
+        self.reader = subprocess.Popen([sys.executable, "-c", DIRECT_READER, str(self.mount / "data/a")],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: self.reads() > before, "the READ in shoal-fs", timeout=30)
+        time.sleep(0.5)  # (its worker asks the stopped registry)
+        assert self.reader.poll() is None  # blocked in the server
+
+    def reads(self) -> int:
+        return sum(ly["reads"] for ly in self.layers.fs.status()["layers"])
+
+    def resume_registry(self) -> None:
+        if self.stopped:
+            os.kill(self.registry.pid, signal.SIGCONT)
+            self.stopped = False
+
+    def finish(self) -> tuple[int, str, str]:
+        assert self.reader is not None
+        try:
+            out, err = self.reader.communicate(timeout=IN_FLIGHT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the read in flight still blocked after {IN_FLIGHT_TIMEOUT:.0f}s")
+        return self.reader.returncode, out, err
+
+    def read(self, name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", DIRECT_READER, str(self.mount / "data" / name)],
+                              capture_output=True, text=True, timeout=IN_FLIGHT_TIMEOUT, check=False)
+
+    def close(self) -> None:
+        if self.reader is not None and self.reader.poll() is None:
+            self.reader.kill()  # (a read blocked in FUSE dies with SIGKILL)
+            self.reader.wait(30)
+        self.resume_registry()
+        for client in self.clients:
+            client.stop()
+        self.registry.stop()
+
+
+@pytest.fixture
+def in_flight_read(node_root, tmp_path):
+    root, clients = node_root
+    made: list[InFlightRead] = []
+    yield lambda: made.append(InFlightRead(root, clients, tmp_path)) or made[-1]
+    for read in made:
+        read.close()
+
+
+@pytest.mark.parametrize("resend", [True, False], ids=["resend", "kernel without resend"])
+def test_a_read_in_flight_at_kill_9_is_answered_after_the_takeover(resend, in_flight_read, monkeypatch):
+    """A READ waits in shoal-fs (its registry accepts connections and never answers)
+    when shoal-fs is killed -9; the node's supervisor starts a new server, which takes
+    the session over from the holder. With FUSE_NOTIFY_RESEND the kernel sends the READ
+    again and it succeeds once the registry answers. Acting as a kernel without it
+    (SHOAL_FUSE_NO_RESEND=1, from the INIT on), the new server answers that READ EIO
+    from the dead one's in-flight table: the reader gets EIO long before any deadline,
+    never a hang, and later reads succeed."""
+    if resend:
+        monkeypatch.delenv(NO_RESEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NO_RESEND_ENV, "1")
+    t = in_flight_read()
+    first = t.layers.fs.ping()["pid"]
+    os.kill(first, signal.SIGKILL)
+    if resend:
+        t.resume_registry()
+    wait_for(lambda: t.layers.fs.restarts >= 1, "the supervisor's restart", timeout=60)
+    assert t.layers.fs.ping()["pid"] != first
+    code, out, err = t.finish()
+    log = (t.root / "logs/fs.log").read_text()
+    assert "taking over the FUSE session" in log
+    if resend:
+        assert code == 0, err
+        assert out.strip() == t.digests["a"]
+        assert "answered EIO" not in log
+    else:
+        assert code != 0 and "Input/output error" in err, (out, err)
+        line = next((ln for ln in log.splitlines() if "answered EIO" in ln), "")
+        assert "without FUSE_NOTIFY_RESEND" in line and str(t.root / "mnt") in line, log[-3000:]
+        assert f"1 requests in flight at the takeover answered EIO: READ of layer {t.layer['digest']}" in line, line
+        t.resume_registry()
+    # later reads succeed: the other file, and the one whose read failed
+    for name in ("b", "a"):
+        done = t.read(name)
+        assert done.returncode == 0 and done.stdout.strip() == t.digests[name], done.stderr
+
+
+def test_an_upgrade_without_resend_lets_the_reads_in_flight_end_first(in_flight_read, monkeypatch):
+    """On a kernel without FUSE_NOTIFY_RESEND (the knob) an upgrade's old server, told to
+    hand over, waits for the requests in flight before it exits (the next server could
+    only answer them EIO): a READ waiting for the registry when the upgrade starts ends
+    with the right bytes once the registry answers, and the new server answers none EIO."""
+    monkeypatch.setenv(NO_RESEND_ENV, "1")
+    t = in_flight_read()
+    old = t.layers.fs.ping()["pid"]
+    t.layers.fs.release()  # (the old node goes)
+    monkeypatch.setenv("SHOAL_VERSION", "inflight-upgrade")
+    upgraded = RemoteLayers(str(t.root), {"read_deadline": 600.0})
+    t.clients.append(upgraded.fs)
+    started = threading.Thread(target=upgraded.start, daemon=True)
+    started.start()  # (it waits for the old server to be gone)
+    wait_for(lambda: not _answers(t.root) or not started.is_alive(), "the hand-over to begin", timeout=30)
+    time.sleep(0.5)
+    assert _running(old)  # told to hand over (its control socket closed), still draining: its READ waits
+    t.resume_registry()
+    started.join(60)
+    assert upgraded.fs.ping()["pid"] != old and not _running(old)
+    code, out, err = t.finish()
+    assert code == 0 and out.strip() == t.digests["a"], err
+    log = (t.root / "logs/fs.log").read_text()
+    assert "0 requests in flight at the takeover answered EIO" in log, log[-3000:]
+    assert t.read("b").stdout.strip() == t.digests["b"]
 
 
 def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):
@@ -407,9 +565,60 @@ def test_the_holder_hands_back_the_same_open_file_to_its_owner_alone(tmp_path):
             os.kill(pid, signal.SIGTERM)
 
 
+def _answers(root: Path) -> bool:
+    """The layer file system server of `root` answers on its control socket."""
+    try:
+        FSClient(str(root)).ping(timeout=1.0)
+    except Exception:  # noqa: BLE001 - any failure: it does not answer
+        return False
+    return True
+
+
 def _running(pid: int) -> bool:
     """Process `pid` runs (a zombie, exited and not reaped by this process, does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_the_in_flight_table_keeps_what_was_read_and_not_answered(tmp_path):
+    """session.InFlight: a request the kernel wrote into a reader's buffer is recorded
+    until the reader says it is answered; a READ handed to a worker until its reply; a
+    table written by a process that died (its mapping gone) still says so; requests that
+    take no reply are not listed; a file that is not a table lists nothing."""
+    from snapshotter.fs import protocol as p
+    from snapshotter.fs.session import InFlight
+
+    path = str(tmp_path / "fs-inflight")
+
+    def request(opcode: int, unique: int, nodeid: int) -> bytes:
+        return p.IN_HEADER.pack(p.IN_HEADER_SIZE, opcode, unique, nodeid, 0, 0, 1, 0)
+
+    child = os.fork()
+    if child == 0:  # the serving process: records, then dies without a word
+        try:
+            table = InFlight(path, 2, 8192)
+            table.buffer(0)[:p.IN_HEADER_SIZE] = request(p.Opcode.GETATTR, 0x10, 7)
+            table.buffer(1)[:p.IN_HEADER_SIZE] = request(p.Opcode.READ, 0x12, 9)
+            table.defer(0x12, 9)  # handed on: recorded twice for a moment
+            table.answered(1)
+            done = table.defer(0x14, 11)
+            table.done(done)  # answered by its worker
+            table.defer(0x16, 1 << 32 | 5)
+            busy = table.busy()
+            with open(f"{path}.busy", "w") as f:
+                f.write(str(busy))
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(child, 0)
+    assert (tmp_path / "fs-inflight.busy").read_text() == "3"
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert InFlight.pending(path) == [(0x10, p.Opcode.GETATTR, 7), (0x12, p.Opcode.READ, 9),
+                                      (0x16, p.Opcode.READ, 1 << 32 | 5)]
+    table = InFlight(path, 1, 8192)  # the next process's own table: nothing in flight
+    table.buffer(0)[:p.IN_HEADER_SIZE] = request(p.Opcode.FORGET, 0x20, 7)
+    assert InFlight.pending(path) == []
+    (tmp_path / "other").write_bytes(b"not a table" * 100)
+    assert InFlight.pending(str(tmp_path / "other")) == []
+    assert InFlight.pending(str(tmp_path / "missing")) == []

@@ -252,23 +252,28 @@ class LayerReader:
         return out
 
     def read(self, path: str, offset: int, size: int) -> bytes:
+        return _join_parts(self.read_parts(path, offset, size))
+
+    def read_parts(self, path: str, offset: int, size: int) -> list[memoryview]:
+        """Like read(), as the pieces of the answer: views into the chunks' bytes, in
+        order (for a writev, without copying them; not to be kept)."""
         if offset < 0 or size < 0:
             raise OSError(22, "Invalid argument", path)
         chunks = self.chunks_for(path, offset, size)
         if not chunks:
-            return b""
-        data = _slice_chunks(chunks, self.load_chunks(chunks, path), offset, size)
+            return []
+        parts = _chunk_views(chunks, self.load_chunks(chunks, path), offset, size)
         if self.on_read is not None:
             self.on_read(chunks)
-        return data
+        return parts
 
     def memory_key(self, c: Chunk) -> object:
         """The chunk's key in `memory`: its digest, or a key only this reader uses."""
         return c.digest or (id(self), c.start, c.end)
 
-    def read_cached(self, path: str, offset: int, size: int) -> bytes | None:
-        """Like read(), but only from chunks already decompressed in memory; None if any
-        chunk would have to be loaded (lets an event loop answer without a thread)."""
+    def read_cached(self, path: str, offset: int, size: int) -> list[memoryview] | None:
+        """Like read_parts(), but only from chunks already decompressed in memory; None if
+        any chunk would have to be loaded (lets a FUSE reader answer without a thread)."""
         if offset < 0 or size < 0:
             raise OSError(22, "Invalid argument", path)
         chunks = self.chunks_for(path, offset, size)
@@ -280,7 +285,7 @@ class LayerReader:
             datas.append(data)
         if self.on_read is not None and chunks:
             self.on_read(chunks)
-        return _slice_chunks(chunks, datas, offset, size)
+        return _chunk_views(chunks, datas, offset, size)
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:
         """Decompressed, verified bytes of each chunk (fetching the missing ones at once)."""
@@ -300,16 +305,16 @@ class LayerReader:
         return [result[i] for i in range(len(chunks))]
 
 
-def _slice_chunks(chunks: Sequence[Chunk], datas: Sequence[bytes], offset: int, size: int) -> bytes:
-    """Bytes [offset, offset+size) of a file from the contents of the chunks covering it."""
+def _chunk_views(chunks: Sequence[Chunk], datas: Sequence[bytes], offset: int, size: int) -> list[memoryview]:
+    """Bytes [offset, offset+size) of a file from the contents of the chunks covering it,
+    as one view per chunk (no copy)."""
     end = offset + size
-    if len(chunks) == 1:
-        c = chunks[0]
-        return datas[0][max(offset, c.file_offset) - c.file_offset : min(end, c.file_offset + c.size) - c.file_offset]
-    out = bytearray()
-    for c, data in zip(chunks, datas):
-        out += data[max(offset, c.file_offset) - c.file_offset : min(end, c.file_offset + c.size) - c.file_offset]
-    return bytes(out)
+    return [memoryview(data)[max(offset, c.file_offset) - c.file_offset:min(end, c.file_offset + c.size) - c.file_offset]
+            for c, data in zip(chunks, datas)]
+
+
+def _join_parts(parts: list[memoryview]) -> bytes:
+    return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
 def decode_chunk(c: Chunk, raw: bytes, what: str) -> bytes:

@@ -305,9 +305,14 @@ def dirent_align(n: int) -> int:
 
 
 # --- requests ------------------------------------------------------------------------------
+#
+# Requests, headers, attributes and entries are plain slotted dataclasses, to be treated as
+# values (nothing here changes one after parsing). Not frozen: a frozen dataclass's
+# __init__ sets each field through object.__setattr__, about 8x the cost, and a READ
+# builds two of them on the hot path.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Header:
     len: int
     opcode: int
@@ -324,7 +329,7 @@ class Header:
         return bool(self.unique & FUSE_UNIQUE_RESEND)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
     """A request the loop answers with ENOSYS: an opcode outside the read-only subset.
 
@@ -336,7 +341,7 @@ class Request:
     body: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Init(Request):
     major: int = 0
     minor: int = 0
@@ -344,32 +349,32 @@ class Init(Request):
     flags: int = 0  # 64 bits: flags2 already shifted in when the kernel set FUSE_INIT_EXT
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Lookup(Request):
     name: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forget(Request):
     """No reply. The kernel drops `nlookup` of the references LOOKUP/READDIRPLUS gave it."""
 
     nlookup: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchForget(Request):
     """No reply. Several FORGETs at once: (nodeid, nlookup) pairs."""
 
     forgets: tuple[tuple[int, int], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Getattr(Request):
     getattr_flags: int = 0
     fh: int = 0  # valid when getattr_flags has FUSE_GETATTR_FH
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _OpenIn(Request):
     """fuse_open_in: the arguments of OPEN and OPENDIR."""
 
@@ -377,17 +382,17 @@ class _OpenIn(Request):
     open_flags: int = 0  # FUSE_OPEN_*
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Open(_OpenIn):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Opendir(_OpenIn):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _ReadIn(Request):
     """fuse_read_in: the arguments of READ and READDIRPLUS."""
 
@@ -399,17 +404,17 @@ class _ReadIn(Request):
     flags: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Read(_ReadIn):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Readdirplus(_ReadIn):
     """`offset` is 0 or the `off` of the last entry the kernel got."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _ReleaseIn(Request):
     """fuse_release_in: the arguments of RELEASE and RELEASEDIR."""
 
@@ -419,28 +424,28 @@ class _ReleaseIn(Request):
     lock_owner: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release(_ReleaseIn):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Releasedir(_ReleaseIn):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Flush(Request):
     fh: int = 0
     lock_owner: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Statfs(Request):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Getxattr(Request):
     """`size` 0 asks for the value's size (`reply_xattr` answers both kinds)."""
 
@@ -448,29 +453,29 @@ class Getxattr(Request):
     name: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Listxattr(Request):
     size: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Readlink(Request):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Access(Request):
     mask: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Interrupt(Request):
     """No reply needed; `target` is the unique of the request to interrupt."""
 
     target: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Destroy(Request):
     pass
 
@@ -666,7 +671,7 @@ def reply_error(unique: int, err: int) -> bytes:
     return OUT_HEADER.pack(OUT_HEADER_SIZE, -err, unique)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Attr:
     """What stat(2) shows of an inode. Times in nanoseconds since the epoch (may be negative)."""
 
@@ -742,7 +747,7 @@ def reply_xattr(unique: int, requested: int, value: bytes) -> bytes:
     return reply(unique, value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DirEntry:
     """One READDIRPLUS entry. `off` is the cookie the kernel passes back to continue after it.
 

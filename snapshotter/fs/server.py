@@ -152,13 +152,16 @@ class FUSEError(Exception):
 _OP_NAMES = {p.Lookup: "lookup", p.Getattr: "getattr", p.Readdirplus: "readdir", p.Open: "open",
              p.Read: "read", p.Readlink: "readlink", p.Getxattr: "getxattr", p.Listxattr: "listxattr"}
 READ_WORKERS = 32  # reads that wait for the store or the network, at once
+MAX_PARTS = 512  # buffers of one READ reply's writev (IOV_MAX is 1024); more are joined first
 
 
 class LayerFS:
     """The operations of the layer file system over shoal's own FUSE protocol module.
 
-    Threads: `handle` runs on the session's reader threads (several at once) and on
-    READ_WORKERS worker threads for reads that must load chunks; it only reads the
+    Threads: `handle` runs on the session's reader thread (session.READER_THREADS; it
+    must never wait: a READ whose chunks are not in memory is recorded with
+    Session.defer and handed to one of READ_WORKERS worker threads, which writes the
+    reply with Session.reply and the token); it only reads the
     layer tables (a dict lookup is atomic). Everything that changes them (register,
     unload, mark_bad, the warm-up's queue) runs under `state`, an RLock the control
     socket's ops take too (control.py). Notifications to the kernel are written outside
@@ -466,7 +469,7 @@ class LayerFS:
 
     # --- FUSE requests ----------------------------------------------------------------------
 
-    def handle(self, req: p.Request) -> list[bytes] | None:
+    def handle(self, req: p.Request) -> list | None:
         """The answer to one request (the session's Handler): the reply's buffers, None
         when there is none (FORGET, INTERRUPT) or a worker thread writes it later (a READ
         that loads chunks). Requests for nodeids this process never gave out are
@@ -486,9 +489,11 @@ class LayerFS:
                 counter[0] += 1
                 counter[1] += time.perf_counter() - start
 
-    def _answer(self, req: p.Request) -> list[bytes] | None:
+    def _answer(self, req: p.Request) -> list | None:
         u, inode = req.header.unique, req.header.nodeid
         match req:
+            case p.Read():  # (first: the hot path)
+                return self.read(u, req.fh, req.offset, req.size)
             case p.Lookup():
                 return [self.lookup(u, inode, req.name)]
             case p.Getattr():
@@ -496,8 +501,6 @@ class LayerFS:
                 return [p.reply_attr(u, attr, attr_valid_ns=_ns(ROOT_TIMEOUT if inode == p.ROOT_ID else TIMEOUT))]
             case p.Open():
                 return [self.open(u, inode, req.flags)]
-            case p.Read():
-                return self.read(u, req.fh, req.offset, req.size)
             case p.Opendir():
                 if inode != p.ROOT_ID:
                     layer, node = self._resolve(inode)
@@ -536,6 +539,15 @@ class LayerFS:
                 return None
             case _:
                 return [p.reply_error(u, errno.ENOSYS)]
+
+    def describe(self, inode: int) -> str:
+        """What a log line calls an inode: its layer and image (any thread)."""
+        if inode == p.ROOT_ID:
+            return "the mount's root"
+        layer = self.by_number.get(inode >> LAYER_SHIFT)
+        if layer is None:
+            return f"inode {inode:#x} (no layer loaded)"
+        return f"layer {layer.blob.digest} of {layer.image or '?'}"
 
     def layer_xattrs(self, inode: int) -> dict[str, bytes]:
         layer, node = self._resolve(inode)
@@ -593,33 +605,41 @@ class LayerFS:
         # server closes the FUSE files it inherited before it serves)
         return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
 
-    def read(self, u: int, fh: int, off: int, size: int) -> list[bytes] | None:
+    def read(self, u: int, fh: int, off: int, size: int) -> list | None:
         layer, node = self._resolve(fh)
         layer.reads += 1
         self._refuse_bad(layer, node, "read")
         # Chunks already decompressed in memory are served here; anything that must be
         # loaded (store, network) goes to a worker thread, which writes the reply.
         try:
-            data = layer.view.reader.read_cached(node.path, off, size)
+            parts = layer.view.reader.read_cached(node.path, off, size)
         except Exception as e:  # noqa: BLE001 - answered as the slow path answers it
             return [self._read_failed(u, layer, node, off, size, e)]
-        if data is None:
-            self._read_pool.submit(self._read_slow, u, layer, node, off, size)
+        if parts is None:
+            session = self.session
+            token = session.defer(u, fh) if session is not None else -1  # (before the worker can answer)
+            self._read_pool.submit(self._read_slow, u, layer, node, off, size, token)
             return None
-        layer.read_bytes += len(data)
-        return [p.reply_header(u, len(data)), data]
+        return self._data_reply(u, layer, parts)
 
-    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int) -> None:
+    def _data_reply(self, u: int, layer: Layer, parts: list[memoryview]) -> list:
+        """A READ's reply: the header and views of the chunks' bytes, for one writev (the
+        payload is copied once, by the kernel)."""
+        n = sum(len(part) for part in parts)
+        layer.read_bytes += n
+        if len(parts) > MAX_PARTS:
+            parts = [memoryview(b"".join(parts))]
+        return [p.reply_header(u, n), *parts]
+
+    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int, token: int) -> None:
         try:
-            data = layer.view.reader.read(node.path, off, size)
-            layer.read_bytes += len(data)
-            out = [p.reply_header(u, len(data)), data]
+            out = self._data_reply(u, layer, layer.view.reader.read_parts(node.path, off, size))
         except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO
             out = [self._read_failed(u, layer, node, off, size, e)]
         session = self.session
         if session is not None:
             try:
-                session.reply(out)
+                session.reply(out, token)
             except OSError as e:
                 log.error("FUSE reply to a read refused: %s", e)
 
@@ -669,6 +689,7 @@ def _lower_priority() -> None:
 # --- process ------------------------------------------------------------------------------
 
 
+HANDOVER_DRAIN = 5.0  # seconds a handover on a kernel without NOTIFY_RESEND waits for requests in flight
 READAHEAD_KB = 1024  # the node passes [fetch] readahead_kb; this is for a server started alone
 
 
@@ -709,11 +730,17 @@ def clear_dead_mount(mnt: str) -> None:
         log.warning("detached the mount left at %s", mnt)
 
 
-def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
+INFLIGHT_FILE = "fs-inflight"  # ROOT/fs-inflight: the session's in-flight table (session.InFlight)
+
+
+def open_session(root: str, mnt: str, log_path: str | None = None,
+                 describe: Callable[[int], str] | None = None) -> Session:
     """The FUSE session to serve: the one the descriptor holder keeps for `mnt`, taken
-    over (no INIT; Session.serve writes NOTIFY_RESEND first), or a new mount whose
-    descriptor goes to the holder once INIT is answered. Nothing here touches `mnt` while
-    a held session may be waiting for a server (a stat of it would wait for us)."""
+    over (no INIT; Session.serve writes NOTIFY_RESEND first, or on a kernel without it
+    answers EIO to what ROOT/fs-inflight records), or a new mount whose descriptor goes
+    to the holder once INIT is answered. Nothing here touches `mnt` while a held session
+    may be waiting for a server (a stat of it would wait for us)."""
+    inflight = os.path.join(root, INFLIGHT_FILE)
     held = holder.get(root)
     if held is not None:
         fd, state = held
@@ -724,7 +751,7 @@ def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
                 log.error("the held FUSE session of %s: %s: mounting anew", mnt, e)
             else:
                 log.info("taking over the FUSE session of %s from the descriptor holder", mnt)
-                return Session(fd, negotiated)
+                return Session(fd, negotiated, inflight=inflight, name=mnt, describe=describe)
         os.close(fd)
         holder.drop(root)  # a session of a mount that is gone: no one is served by it
     clear_dead_mount(mnt)
@@ -733,7 +760,8 @@ def open_session(root: str, mnt: str, log_path: str | None = None) -> Session:
         holder.ensure(root, log_path)  # before the mount: the descriptor goes to it right after INIT
     except (OSError, ShoalError) as e:
         log.error("no descriptor holder (a crash of this process will end the FUSE session): %s", e)
-    session = Session.mount(mnt)
+    session = Session.mount(mnt, inflight)
+    session.describe = describe
 
     def keep(negotiated: p.Negotiated) -> None:
         try:
@@ -760,7 +788,8 @@ def run(root: str, config: dict) -> int:
         except (ShoalError, OSError, ValueError, KeyError) as e:
             log.error("cannot restore layer %s: %s", layer_id, e)
     logs = os.path.join(root, "logs")
-    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None)
+    session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None,
+                                        fs.describe)
     if not session.took_over:
         readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
         keep = session.on_init
@@ -794,6 +823,10 @@ def run(root: str, config: dict) -> int:
     finally:
         server.close()
         if stop["how"] == "handover":
+            if not session.has_resend:  # the next server could only answer them EIO: let them end
+                drain = time.monotonic() + HANDOVER_DRAIN
+                while session.table is not None and session.table.busy() and time.monotonic() < drain:
+                    time.sleep(0.01)
             log.info("handing the FUSE session of %s over to the next server", mnt)
         else:
             unmount(mnt)
