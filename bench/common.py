@@ -96,6 +96,14 @@ def emit_json(figures: dict) -> None:
     print(json.dumps(figures, indent=2, sort_keys=True))
 
 
+def emit(figures: dict, report, as_json: bool) -> None:
+    """A benchmark's figures: the JSON object with --json, else report(figures)'s text."""
+    if as_json:
+        emit_json(figures)
+    else:
+        print(report(figures))
+
+
 # --- network namespaces with a rate-limited loopback (bench/lazy_start.py) ---------------
 
 from typing import Self

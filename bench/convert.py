@@ -278,10 +278,7 @@ def main() -> int:
     )
     args = p.parse_args()
     figures = measure(args.quick, args.keep_cache)
-    if args.json:
-        common.emit_json(figures)
-    else:
-        print(report(figures))
+    common.emit(figures, report, args.json)
     return 0
 
 

@@ -245,10 +245,7 @@ def main() -> int:
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         sys.exit("bench/fs_read.py: needs root and /dev/fuse")
     figures = measure(args.quick, args.repeat or (1 if args.quick else 3), args.threads, args.ops)
-    if args.json:
-        common.emit_json(figures)
-    else:
-        print(report(figures))
+    common.emit(figures, report, args.json)
     return 0
 
 

@@ -661,10 +661,7 @@ def main() -> int:
         return 130
     except BenchFailure as e:
         sys.exit(f"bench: {e}")
-    if args.json:
-        common.emit_json(figures)
-    else:
-        print(report(figures))
+    common.emit(figures, report, args.json)
     failed = any("containerd_error" in r or "shoal_error" in r or "profiled_error" in r for r in figures["runs"])
     return 1 if failed else 0
 

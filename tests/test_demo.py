@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.lab import netlab
+from tests.services import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "scripts" / "demo.py"
@@ -116,13 +117,7 @@ def test_a_demo_stopped_in_the_middle_cleans_up():
                 break
         rest, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:  # (the test failed) give the demo its cleanup first
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 60)  # (the test failed) SIGTERM first: the demo's cleanup
     out = "".join(lines) + rest
     assert proc.returncode == 130, f"{out[-3000:]}\n{err[-3000:]}"
     assert "demo: interrupted" in err and "Traceback" not in err

@@ -16,7 +16,7 @@ from prefetch.profile import Profile, fetch_profile
 from shoal.errors import FormatError
 from shoal.fsutil import mounts
 from tests.rootfs import lazy_app_image
-from tests.services import SHOAL
+from tests.services import SHOAL, stop_process
 
 pytestmark = [pytest.mark.registry, pytest.mark.containerd]
 
@@ -40,8 +40,11 @@ def shoal(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def embedded_leftovers() -> list[str]:
-    dirs = [str(p) for p in Path(tempfile.gettempdir()).glob("shoal-rec-*")]
-    return dirs + [p for p, _ in mounts() if "/shoal-rec-" in p]
+    """What this test's recordings left: their folders and mounts under this process's
+    TMPDIR (a test worker's own: another worker's recordings, the demo's, are not ours)."""
+    tmp = Path(tempfile.gettempdir())
+    dirs = [str(p) for p in tmp.glob("shoal-rec-*")]
+    return dirs + [p for p, _ in mounts() if p.startswith(f"{tmp}/shoal-rec-")]
 
 
 
@@ -156,13 +159,7 @@ def test_a_cancelled_recording_stops_everything_it_started(image):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:  # (the test failed) the recording cleans up on SIGTERM: give it the chance
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 120)  # (the test failed) SIGTERM first: the recording cleans up on it
     assert proc.returncode == 130 and "interrupted" in err
     assert embedded_leftovers() == []
     from snapshotter.embedded import shim_pids
