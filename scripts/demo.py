@@ -225,7 +225,10 @@ def demo(work: Path, d: Demo) -> None:
         return st["fills_running"] == 0 and st["fills_holding"] == 0
 
     wait_for(region_idle, "the region's fills", 240, 0.5)
-    time.sleep(1.0)
+    st = region.status(lab)["region"]
+    received = st["origin_bytes"] + st["origin_range_bytes"]  # what the region took from the origin
+    # (the origin logs an answer the region cut when it notices: wait for the log to hold them)
+    wait_for(lambda: blob_bytes(registry) - fleet_before >= received, "the origin's log of the region's reads", 60, 0.2)
     fleet = blob_bytes(registry) - fleet_before
     later = fleet - preheat_origin - start_origin - proof_origin
     done = [figures(n) for n in nodes]

@@ -191,16 +191,13 @@ class AccessCache:
     async def check(self, repo: str, digest: str, authorization: str | None) -> int | None:
         """The blob's size if the origin told it; raises HTTPFailure when refused."""
         key = (credentials_key(authorization), repo)
-        now = time.monotonic()
-        seen = self._access.get(key)
-        if seen is not None and seen.expires > now:
-            if not seen.allowed:
-                self._stats["denied"] += 1
-                raise self._refusal(seen)
-            link = self._links.get((repo, digest))
-            if link is not None and link[0] > now:
-                self._stats["auth_cache_hits"] += 1
-                return link[1]
+        seen, link = self._remembered(key, repo, digest)
+        if seen is not None and not seen.allowed:
+            self._stats["denied"] += 1
+            raise self._refusal(seen)
+        if seen is not None and link is not None:
+            self._stats["auth_cache_hits"] += 1
+            return link[1]
         flight = (key[0], repo, digest)
         fut = self._inflight.get(flight)
         if fut is None:
@@ -213,10 +210,16 @@ class AccessCache:
 
     def known(self, repo: str, digest: str, authorization: str | None) -> bool:
         """Whether check() would answer from what is remembered, without the origin."""
+        seen, link = self._remembered((credentials_key(authorization), repo), repo, digest)
+        return seen is not None and (not seen.allowed or link is not None)
+
+    def _remembered(self, key: tuple[str, str], repo: str, digest: str):
+        """(the unexpired access answer for key, the unexpired (repo, digest) link): each or None."""
         now = time.monotonic()
-        seen = self._access.get((credentials_key(authorization), repo))
+        seen = self._access.get(key)
         link = self._links.get((repo, digest))
-        return seen is not None and seen.expires > now and (not seen.allowed or (link is not None and link[0] > now))
+        return (seen if seen is not None and seen.expires > now else None,
+                link if link is not None and link[0] > now else None)
 
     async def _ask_origin(self, key: tuple[str, str], repo: str, digest: str, authorization: str | None) -> int | None:
         self._stats["auth_checks"] += 1
