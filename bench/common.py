@@ -214,3 +214,117 @@ def pids_mentioning(text: str) -> list[int]:
         except OSError:
             continue
     return out
+
+
+class CpuGroups:
+    """CPU seconds by role, from cgroup v1 `cpuacct` groups of the benchmark's own
+    (/sys/fs/cgroup/cpuacct/shoal-bench-cpu-PID/ROLE; root and a v1 cpuacct hierarchy
+    needed, else `available` is False and every figure is empty).
+
+    `add(role, pids)` moves running processes and all their descendants into ROLE's group
+    (what they start later is born there); `path(role, leaf)` is a cgroup path for runc
+    (`ctr run --cgroup`): a container's group nested in ROLE's, whose usage stays counted in
+    ROLE's after the container's group is gone (v1 charges every ancestor). `prefix(role)`
+    wraps a command so that it starts inside ROLE's group. `usage()`: role -> CPU seconds
+    so far. `close()` moves what is left to the root group and removes the groups, in
+    every hierarchy runc made them in."""
+
+    BASE = Path("/sys/fs/cgroup")
+
+    def __init__(self) -> None:
+        self.name = f"shoal-bench-cpu-{os.getpid()}"
+        self.root = self.BASE / "cpuacct" / self.name
+        try:
+            self.root.mkdir(exist_ok=True)
+            self.available = True
+        except OSError:
+            self.available = False
+
+    def _group(self, role: str) -> Path:
+        d = self.root / role
+        d.mkdir(exist_ok=True)
+        return d
+
+    def add(self, role: str, pids: Sequence[int]) -> None:
+        if not self.available:
+            return
+        procs = self._group(role) / "cgroup.procs"
+        for pid in self._with_descendants(pids):
+            try:
+                procs.write_text(f"{pid}\n")
+            except OSError:
+                pass  # gone meanwhile
+
+    def path(self, role: str, leaf: str) -> str | None:
+        if not self.available:
+            return None
+        self._group(role)
+        return f"/{self.name}/{role}/{leaf}"
+
+    def prefix(self, role: str) -> list[str]:
+        if not self.available:
+            return []
+        procs = self._group(role) / "cgroup.procs"
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs)]
+
+    def usage(self) -> dict[str, float]:
+        if not self.available:
+            return {}
+        out = {}
+        for d in sorted(self.root.iterdir()):
+            try:
+                out[d.name] = int((d / "cpuacct.usage").read_text()) / 1e9
+            except (OSError, ValueError):
+                pass
+        return out
+
+    @staticmethod
+    def _with_descendants(pids: Sequence[int]) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+        out, todo = [], list(pids)
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+        return out
+
+    def close(self) -> None:
+        if not self.available:
+            return
+        deadline = time.monotonic() + 10  # processes killed just before may still be exiting
+        while True:
+            left = []
+            for hierarchy in self.BASE.iterdir():
+                top = hierarchy / self.name
+                if not top.is_dir():
+                    continue
+                for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+                    try:
+                        for pid in (d / "cgroup.procs").read_text().split():
+                            (hierarchy / "cgroup.procs").write_text(f"{pid}\n")
+                        d.rmdir()
+                    except OSError:
+                        left.append(d)
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                say(f"cleanup: cannot remove cgroups {[str(d) for d in left]}")
+                return
+            time.sleep(0.2)
+
+
+def cpu_table(before: dict[str, float], after: dict[str, float], busy_s: float) -> dict[str, float]:
+    """CPU seconds per role between two CpuGroups.usage() readings, and "other": the rest of
+    the machine's busy seconds `busy_s` (the benchmark's own tools, the kernel's network)."""
+    out = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+    out["other"] = round(max(0.0, busy_s - sum(out.values())), 2)
+    return out

@@ -256,8 +256,11 @@ def ctr(ns: common.NetNamespace | None, server: services.ContainerdServer, *args
     return [*sh_prefix(ns), services.CTR_BIN, "--address", server.address, "--namespace", NAMESPACE, *args]
 
 
-def ctr_run(ns, server, ref: str, cid: str, cmd: list[str], snapshotter: str | None = None) -> list[str]:
+def ctr_run(ns, server, ref: str, cid: str, cmd: list[str], snapshotter: str | None = None,
+            cgroup: str | None = None) -> list[str]:
     extra = ["--snapshotter", snapshotter] if snapshotter else []
+    if cgroup:
+        extra += ["--cgroup", cgroup]
     return ctr(ns, server, "run", "--rm", *extra, "--runc-root", str(server.runc_root), "--fifo-dir",
                str(server.fifo_dir), ref, cid, *cmd)
 

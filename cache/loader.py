@@ -95,6 +95,7 @@ class WriteBehind:
         self._quiet = quiet
         self._last_put = 0.0
         self._flush = 0  # callers of wait_idle: write without waiting for a pause
+        self._now = False  # write_now(): the same until the queue is empty
         self._cond = threading.Condition()
         self._queue: deque[str] = deque()
         self._thread = threading.Thread(target=self._run, name="shoal-store-writer", daemon=True)
@@ -110,6 +111,19 @@ class WriteBehind:
             if digest in self._pending:
                 return True
         return self.store.contains(digest)
+
+    def pending(self, digest: str) -> bool:
+        """The chunk is queued for the store, not written yet."""
+        with self._cond:
+            return digest in self._pending
+
+    def write_now(self) -> None:
+        """Write what is queued now, without waiting for a pause (someone waits for it: a
+        preheat's measure of warmth); returns at once."""
+        with self._cond:
+            if self._queue and not self._now:
+                self._now = True
+                self._cond.notify_all()
 
     def put(self, digest: str, data: bytes) -> None:
         with self._cond:
@@ -133,10 +147,11 @@ class WriteBehind:
             with self._cond:
                 while True:
                     if not self._queue:
+                        self._now = False
                         self._cond.wait()
                         continue
                     wait = self._last_put + self._quiet - time.monotonic()
-                    if wait <= 0 or self._bytes > self._limit // 2 or self._flush:
+                    if wait <= 0 or self._bytes > self._limit // 2 or self._flush or self._now:
                         break
                     self._cond.wait(wait)
                 batch: list[tuple[str, bytes]] = []
@@ -262,11 +277,19 @@ class NodeChunkLoader:
         return list(self._order)
 
     def stored(self, digest: str) -> bool:
-        """The chunk is in the node's chunk store (or on its way there), or its bytes came
-        from a source that keeps them on the node (the swarm's storage, which a later read
-        takes them from): what "warm" means. (A blob the swarm drops afterwards is not
-        noticed here: its chunks count as warm as of their fetch.)"""
-        return digest in self._held or self.cache.contains(digest)
+        """The chunk is in the node's chunk store (written, not only queued for it), or its
+        bytes came from a source that keeps them on the node (the swarm's storage, which a
+        later read takes them from): what "warm" means. (A blob the swarm drops afterwards
+        is not noticed here: its chunks count as warm as of their fetch.) A chunk still
+        queued is written now (WriteBehind.write_now: someone is waiting for the warmth, and
+        the start it waits for should not pay for the writes)."""
+        if digest in self._held:
+            return True
+        pending = getattr(self.cache, "pending", None)
+        if pending is not None and pending(digest):
+            self.cache.write_now()  # type: ignore[attr-defined]  # a WriteBehind (it has pending)
+            return False
+        return self.cache.contains(digest)
 
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):

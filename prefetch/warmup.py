@@ -53,7 +53,7 @@ class WarmLoader(Protocol):
         ...
 
     def stored(self, digest: str) -> bool:
-        """The chunk is in the node's chunk store (or on its way there): what "warm" means."""
+        """The chunk is in the node's chunk store (written, not only queued): what "warm" means."""
         ...
 
     def prefetch(self, chunks: Sequence[Chunk]) -> int:

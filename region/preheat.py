@@ -218,12 +218,15 @@ class PreheatService:
 
     name = "prefetch"
 
-    def __init__(self, cache: RegionCache, api_token: str, node_timeout: float = 30.0) -> None:
+    def __init__(self, cache: RegionCache, api_token: str, node_timeout: float = 30.0,
+                 hold_after_job: float = 30.0) -> None:
         """api_token: what callers of /jobs present ("" = none asked: in-process tests);
-        node_timeout: seconds without a word from a node before it is down."""
+        node_timeout: seconds without a word from a node before it is down;
+        hold_after_job: seconds a profile job's blobs stay held after its end."""
         self.cache = cache
         self.api_token = api_token
         self.node_timeout = node_timeout
+        self.hold_after_job = hold_after_job
         self.poll_s = max(0.5, min(25.0, node_timeout / 3))
         self.nodes: dict[str, NodeRecord] = {}
         self.jobs: dict[str, Job] = {}
@@ -339,7 +342,10 @@ class PreheatService:
         job.state, job.ended = state, time.monotonic()
         origin, served = self._origin_counters()
         job.origin_bytes, job.region_bytes = origin - job.origin_start, served - job.served_start
-        self.cache.release_fills(job.held)  # their fills fetch the rest now: one copy in the region
+        # their fills fetch the rest once the job's starts are under way (hold_after_job), or
+        # when a node asks for a whole blob (a layer proof): one copy in the region, and no
+        # whole-blob fill competing with the starts the job's end lets go
+        self.cache.release_fills(job.held, self.hold_after_job)
         job.held = []
         log.info("preheat job %s (%s, %s): %s, %d of %d nodes warm, origin bytes %d", job.id, job.image,
                  job.mode, state, sum(n.state == "warm" for n in job.nodes.values()), len(job.nodes),
@@ -564,9 +570,10 @@ async def _one_line_errors(request: web.Request, handler):
         return web.json_response({"error": r.reason}, status=r.status, headers=r.headers)
 
 
-def mount_preheat(cache: RegionCache, api_token: str, node_timeout: float = 30.0) -> PreheatService:
+def mount_preheat(cache: RegionCache, api_token: str, node_timeout: float = 30.0,
+                  hold_after_job: float = 30.0) -> PreheatService:
     """Mount the preheat service on the region cache (before it starts) at PREFIX."""
-    service = PreheatService(cache, api_token, node_timeout)
+    service = PreheatService(cache, api_token, node_timeout, hold_after_job)
     service.app.middlewares.append(_one_line_errors)
     cache.mount(PREFIX, service.app, service)
     return service

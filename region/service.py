@@ -50,7 +50,7 @@ def make_region(config: RegionConfig, backend: Backend, *, tls=None, node_token:
     cache = RegionCache(config, backend, tls=tls, node_token=node_token)
     if config.swarm:
         mount_swarm(cache)
-    mount_preheat(cache, prefetch_token, config.prefetch.node_timeout)
+    mount_preheat(cache, prefetch_token, config.prefetch.node_timeout, config.prefetch.hold_after_job)
     return cache
 
 

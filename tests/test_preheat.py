@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.registry, pytest.mark.containerd]
 
 CMD = ["/bin/sh", "-c", "cat /etc/motd; /usr/bin/python3 -c 'import json, email; print(json.dumps([6 * 7]))'"]
 NODE_TIMEOUT = 4.0  # the region's [prefetch] node_timeout here: a silent node is down after it
+HOLD_AFTER_JOB = 10.0  # the region's [prefetch] hold_after_job here
 TOKEN = "X-Shoal-Prefetch-Token"
 
 
@@ -53,7 +54,8 @@ class Region:
 def region_for(registry, workdir: Path) -> Region:
     store = workdir / "region store"
     proc, url, ca = start_region(registry.url, store, workdir / "region.log",
-                                 config=f"[prefetch]\nnode_timeout = {NODE_TIMEOUT}\n")
+                                 config=f"[prefetch]\nnode_timeout = {NODE_TIMEOUT}\n"
+                                        f"hold_after_job = {HOLD_AFTER_JOB}\n")
     return Region(proc, url, ca, store)
 
 
@@ -164,7 +166,11 @@ def test_full_and_profile_jobs_are_ready_at_one_origin_copy_and_starts_read_noth
     # where the nodes' stores have most chunks of the image from the full job already: the
     # TOCs and the salted files; test_region.py has the region's side with every range cold)
     assert 0 < job["origin_bytes"] <= 1.05 * target
-    # once it ended the region fills the blobs whole (taking what it has): about one copy in all
+    # the job's end lets the starts go: its blobs stay held a while (hold_after_job), no
+    # whole-blob fill competes with them
+    st = region.status()
+    assert st["fills_holding"] >= 1 and st["fills_running"] == 0, st
+    # then the region fills the blobs whole (taking what it has): about one copy in all
     wait_for(lambda: region.status()["fills_running"] == 0 and region.status()["fills_holding"] == 0,
              "the region's fills after the job", timeout=120)
     origin = registry.layer_bytes(manifest2) - before

@@ -44,6 +44,8 @@ Every option, with its default (an empty file, or none, gives these):
     token_file = ""                # the preheat API's secret (/prefetch/v1/jobs; made at first start);
                                    # "" = <tls_dir>/prefetch-token
     node_timeout = 30.0            # seconds without a word from a registered node before it is down
+    hold_after_job = 30.0          # seconds a profile job's blobs stay held (ranges only) after it ends,
+                                   # so that no whole-blob fill competes with the starts it lets go
 
 Every value is checked at start (type and range; shoal/config.py): a bad one stops the
 region with one line naming the key. An unknown key is a warning naming it.
@@ -98,6 +100,7 @@ class NodesConfig:
 class PrefetchConfig:
     token_file: str = ""
     node_timeout: float = field(default=30.0, metadata=limits(min=1, max=3600))
+    hold_after_job: float = field(default=30.0, metadata=limits(min=0, max=3600))
 
 
 @dataclass

@@ -945,12 +945,16 @@ class RegionCache:
         for digest in digests:
             self._held[digest] = self._held.get(digest, []) + [until]
 
-    def release_fills(self, digests) -> None:
-        """The end of one hold_fills of `digests` (the earliest of each)."""
+    def release_fills(self, digests, linger: float = 0.0) -> None:
+        """The end of one hold_fills of `digests` (the earliest of each), `linger` seconds
+        from now (0: now; a whole-blob request still ends it at once)."""
+        until = time.monotonic() + linger
         for digest in digests:
             holds = self._held.get(digest)
             if holds:
                 holds.remove(min(holds))
+                if linger > 0:
+                    holds.append(until)
             self._end_hold(digest)
 
     def _is_held(self, digest: str) -> bool:

@@ -33,8 +33,10 @@ warmth {chunks? whole?}, prove {id, urgent?}, mark_bad {id, reason}, and the swa
 Proofs (fs/proof.py): `prove` answers, once it is known, the diff_id the layer's whole
 blob decompresses to, {"diff_id"} or {"error", "final"}. One computation per layer
 however many ask; background proofs run one at a time on a thread of lowered CPU
-priority, in PROOF_RANGE requests through the node's fetch chain, so that containers'
-own reads come first; an `urgent` one (a Prepare is waiting for it) starts at once.
+priority, once the file system has served no READ for PROOF_QUIET seconds (at most
+PROOF_QUIET_MAX after they were asked), in PROOF_RANGE requests through the node's fetch
+chain, so that containers' own reads come first; an `urgent` one (a Prepare is waiting for
+it) starts at once.
 `mark_bad` makes every open and read of the layer's files fail with EIO and a log line
 (the reason names image, layer, claimed and actual diff_id); the mark is kept in
 ROOT/layers/<hex>/bad and survives restarts.
@@ -93,6 +95,8 @@ LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
 TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
 ROOT_TIMEOUT = 1.0  # the set of layers changes
 PROOF_NICE = 10  # CPU priority of the background proof thread (os.setpriority)
+PROOF_QUIET = 5.0  # a background proof starts once no READ came for this long (a start reads) ...
+PROOF_QUIET_MAX = 300.0  # ... or once it waited this long
 BAD_FILE = "bad"  # ROOT/layers/<hex>/bad: the reason the layer is refused
 NUMBER_FILE = "number"  # ROOT/layers/<hex>/number: the layer's number (the high bits of its inodes)
 NUMBERS_FILE = "layer-numbers"  # ROOT/layer-numbers: the next new layer's number
@@ -187,6 +191,7 @@ class LayerFS:
         self.tocs = {"fetched": 0, "bytes": 0, "failed": 0}  # TOCs read through the chain (compressed bytes)
         self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
         self._proof_pool: ThreadPoolExecutor | None = None
+        self.closing = threading.Event()  # set when the server stops: background proofs wait no longer
         self._read_pool = ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="shoal-read")
 
     # --- layer numbers: stable across restarts ------------------------------------------------
@@ -329,18 +334,44 @@ class LayerFS:
                     if self._proof_pool is None:
                         self._proof_pool = ThreadPoolExecutor(1, thread_name_prefix="shoal-proof",
                                                               initializer=_lower_priority)
-                    self._proof_pool.submit(self._run_proof, layer, entry)
+                    self._proof_pool.submit(self._run_proof, layer, entry, True)
             start_now = urgent and not entry[1]
         if start_now:
             threading.Thread(target=self._run_proof, args=(layer, entry), name="shoal-proof-urgent",
                              daemon=True).start()
         return entry[0]
 
-    def _run_proof(self, layer: Layer, entry: list) -> None:
+    def _wait_quiet(self, layer: Layer) -> bool:
+        """A background proof's wait: until the file system served no READ of any layer for
+        PROOF_QUIET seconds (at most PROOF_QUIET_MAX): a proof reads, decompresses and hashes
+        the whole blob, and the starts reading the node's layers come first (its thread's
+        lower CPU priority does not hold back the swarm's and the chain's work it causes).
+        False: the server stops meanwhile."""
+        began = time.monotonic()
+        last = sum(ly.reads for ly in list(self.layers.values()))
+        while time.monotonic() - began < PROOF_QUIET_MAX:
+            if self.closing.wait(PROOF_QUIET):
+                return False
+            now = sum(ly.reads for ly in list(self.layers.values()))
+            if now == last:
+                break
+            last = now
+        waited = time.monotonic() - began
+        if waited > 2 * PROOF_QUIET:
+            log.info("proof of layer %s of %s waited %.0fs for the reads to pause", layer.blob.digest,
+                     layer.image or "?", waited)
+        return True
+
+    def _run_proof(self, layer: Layer, entry: list, background: bool = False) -> None:
+        quiet = self._wait_quiet(layer) if background else True
         with self._lock:
             if entry[1]:
                 return  # the other thread (background or urgent) has it
             entry[1] = True
+        if not quiet:
+            entry[0].set_result({"error": f"layer {layer.blob.digest}: the layer file system stopped before its "
+                                          "proof", "final": False})
+            return
         started = time.monotonic()
         try:
             if self.read_ranges is None:
@@ -821,6 +852,7 @@ def run(root: str, config: dict) -> int:
         while not stopped.wait(0.5) and not session.wait(0):
             pass
     finally:
+        fs.closing.set()
         server.close()
         if stop["how"] == "handover":
             if not session.has_resend:  # the next server could only answer them EIO: let them end
