@@ -33,6 +33,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--backend", choices=["disk", "s3"], help="where blobs are kept (default disk)")
     p.add_argument("--plain-http", action="store_true", default=None,
                    help="serve plain HTTP instead of HTTPS (loopback listen addresses only: demos and tests)")
+    p.add_argument("--node-token", metavar="NAME",
+                   help="print node NAME's own token (made from the region's node secret, which is made if "
+                        "missing) and exit: the line for that node's [fetch] region_token_file; it speaks "
+                        "for NAME alone (docs/security.md)")
     p.set_defaults(func=cmd_region)
 
 
@@ -44,6 +48,8 @@ def cmd_region(args: argparse.Namespace) -> int:
                          "(pip install 'shoal[node]')") from None
     config = load_config(args.config, listen=args.listen, origin=args.origin, store=args.store,
                          backend=args.backend, plain_http=args.plain_http)
+    if args.node_token is not None:
+        return _print_node_token(config, args.node_token)
     host, port = config.listen_address
     logging.getLogger("shoal").setLevel(min(logging.getLogger("shoal").getEffectiveLevel(), logging.INFO))
     try:
@@ -79,6 +85,21 @@ def cmd_region(args: argparse.Namespace) -> int:
     import asyncio
 
     return asyncio.run(_serve(config, backend, host, port, tls, token, prefetch_token))
+
+
+def _print_node_token(config, name: str) -> int:
+    from cache.region.tls import NODE_NAME_RE, NodeTokens, ensure_node_token
+
+    if not NODE_NAME_RE.match(name):
+        raise UsageError(f"--node-token: {name[:80]!r} is not a node name (letters, digits, '.', '_', '-')")
+    try:
+        secret = ensure_node_token(config.token_path)
+    except OSError as exc:
+        raise ShoalError(f"region node secret {config.token_path}: {exc.strerror or exc}") from None
+    if name in config.nodes.revoked:
+        log.warning("node %s is in [nodes] revoked: the region refuses this token", name)
+    print(NodeTokens(secret).token_for(name))
+    return 0
 
 
 async def _serve(config, backend, host: str, port: int, tls, token: str, prefetch_token: str) -> int:

@@ -49,7 +49,6 @@ import hmac
 import json
 import logging
 import math
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from aiohttp import web
 
 from builder.oci.documents import parse_index, parse_manifest
 from cache.region.server import RegionCache
-from cache.region.tls import TOKEN_HEADER
+from cache.region.tls import ANY_NODE, NODE_NAME_RE, TOKEN_HEADER
 from prefetch.client import API_TOKEN_HEADER, PREFIX  # (the token on every /jobs and GET /nodes call)
 from shoal.errors import FormatError, UsageError
 from shoal.mediatypes import ACCEPT_MANIFESTS
@@ -77,7 +76,7 @@ MAX_PLATFORMS = 16  # platform manifests of an index whose layers a profile job 
 HOLD_MARGIN = 30.0  # seconds a profile job's hold outlasts its timeout (a job nobody asks about ends late)
 NODE_STATES = ("warming", "warm", "failed", "timeout")  # what a node may report
 FINAL = ("timeout", "failed", "cancelled")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_NAME_RE = NODE_NAME_RE
 
 
 class Refused(Exception):
@@ -280,10 +279,17 @@ class PreheatService:
         self._check_token(request, API_TOKEN_HEADER, self.api_token, "the preheat API")
 
     def _node(self, request: web.Request) -> str:
-        self._check_token(request, TOKEN_HEADER, self.cache.node_token, "a node's call")
+        """The node a call is for, once its token may speak for it: a node's own token
+        (cache/region/tls.py NodeTokens) only for its own name, the shared one for any."""
+        who = self.cache.node_tokens.identify(request.headers.get(TOKEN_HEADER, ""))
+        if who is None:
+            raise Refused(401, f"a node's call needs {TOKEN_HEADER} (a node token of this region, not revoked)")
         name = request.match_info["name"]
         if not _NAME_RE.match(name):
             raise Refused(400, f"{name[:80]!r} is not a node name")
+        if who not in (ANY_NODE, name):
+            log.warning("%s: a call for node %s with node %s's token refused", request.remote, name, who)
+            raise Refused(403, f"this node token is node {who}'s: it cannot speak for node {name}")
         return name
 
     @staticmethod

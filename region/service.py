@@ -24,7 +24,7 @@ from aiohttp import web
 from cache.region.backends import Backend
 from cache.region.config import RegionConfig
 from cache.region.server import RegionCache, RunningServer, serve
-from cache.region.tls import PeerCA, client_context
+from cache.region.tls import NodeTokens, PeerCA, client_context
 from p2p.tracker import PREFIX
 from p2p.tracker.peers import PeerTable
 from p2p.tracker.server import SERVICE_KEY, Authorize, BackendTorrents, SwarmService, make_app
@@ -67,7 +67,7 @@ def mount_swarm(cache: RegionCache) -> SwarmService:
                     "(any peer that knows a torrent can get its pieces)")
     sub = swarm_app(cache.backend, str(Path(cache.config.store) / "torrents"), self_url=cache.self_url,
                     authorize=cache.authorize, self_ssl=client_context(cache.tls.ca) if cache.tls else None,
-                    node_token=cache.node_token, peer_ca=peer_ca)
+                    node_tokens=cache.node_tokens, peer_ca=peer_ca)
     service = sub[SERVICE_KEY]
     cache.mount(PREFIX, sub, service)
     return service
@@ -98,18 +98,19 @@ async def fill_through(base_url: str | None, digest: str, request: web.Request,
 def swarm_app(backend: Backend, folder: str, *, piece_size: int | None = None, interval: int = 60,
               announce_url: str | None = None, self_url: str | None = None, authorize: Authorize | None = None,
               self_ssl: ssl.SSLContext | None = None, node_token: str = "",
-              peer_ca: PeerCA | None = None) -> web.Application:
+              peer_ca: PeerCA | None = None, node_tokens: NodeTokens | None = None) -> web.Application:
     """The swarm service (tracker + metadata from `backend`) as a sub-application to
     mount at PREFIX.
 
     self_url: how the region reaches itself (for fills); default: the request's origin.
     self_ssl: the ssl.SSLContext that trusts the region's own certificate (for fills).
     authorize(digest, request): the region's access check for metadata (see make_app).
-    node_token: the secret every /p2p/v1 call must carry (see make_app).
+    node_token: the secret every /p2p/v1 call must carry; node_tokens: instead, who may
+    call (see make_app).
     peer_ca: the swarm CA: torrents are then SSL torrents.
     """
     torrents = BackendTorrents(folder, backend, piece_size,
                                fill=lambda digest, request: fill_through(self_url, digest, request, self_ssl),
                                ssl_cert=peer_ca.pem if peer_ca is not None else b"")
     return make_app(torrents=torrents, table=PeerTable(interval=interval), announce_url=announce_url,
-                    authorize=authorize, node_token=node_token, peer_ca=peer_ca)
+                    authorize=authorize, node_token=node_token, peer_ca=peer_ca, node_tokens=node_tokens)

@@ -357,6 +357,66 @@ def test_ready_fraction_counts_warm_nodes_and_never_one_for_all(module_registry,
     assert "1 of 2 nodes not warm: ghost (unknown: not registered" in proc.stderr
 
 
+def node_call(region: Region, name: str, token: str, tail: str = "") -> requests.Response:
+    """A node's call to the preheat service: its registration, or (tail "/work") its poll."""
+    method, body = ("GET", None) if tail else ("POST", {"address": "192.0.2.7", "version": "test"})
+    return requests.request(method, f"{region.url}/prefetch/v1/nodes/{name}{tail}", json=body,
+                            headers={"X-Shoal-Node-Token": token}, verify=region.ca, timeout=30)
+
+
+def own_token(region: Region, registry, name: str) -> str:
+    made = shoal("region", "--store", str(region.store), "--origin", registry.url, "--node-token", name)
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip()
+
+
+def test_a_nodes_own_token_speaks_for_it_alone(module_registry, fleet, tmp_path):
+    """A node's own token (`shoal region --node-token NAME`, made from the region's node
+    secret) registers NAME and polls for NAME's work, never another name's; a forged one is
+    refused, by the preheat service and the swarm's; a real node with its own token
+    registers and is up."""
+    region, _ = fleet
+    own = own_token(region, module_registry, "n7")
+    assert own.startswith("shoal-node:n7:") and own != region.node_token_file.read_text().strip()
+    assert node_call(region, "n7", own).status_code == 200
+    other = node_call(region, "n8", own)
+    assert other.status_code == 403
+    assert other.json()["error"] == "this node token is node n7's: it cannot speak for node n8"
+    assert node_call(region, "n8", own, "/work").status_code == 403
+    mac = own.rsplit(":", 1)[1]
+    forged = f"shoal-node:n7:{'0' * len(mac) if mac[0] != '0' else '1' * len(mac)}"
+    assert node_call(region, "n7", forged).status_code == 401
+    assert node_call(region, "n8", f"shoal-node:n8:{mac}").status_code == 401  # another name, n7's mac
+    swarm = f"{region.url}/p2p/v1/status"
+    assert requests.get(swarm, headers={"X-Shoal-Node-Token": own}, verify=region.ca, timeout=30).status_code == 200
+    assert requests.get(swarm, headers={"X-Shoal-Node-Token": forged}, verify=region.ca,
+                        timeout=30).status_code == 401
+    token_file = tmp_path / "n9-token"
+    token_file.write_text(own_token(region, module_registry, "n9") + "\n")
+    token_file.chmod(0o600)
+    config = node_config(region, "n9").replace(str(region.node_token_file), str(token_file))
+    with shoal_node_with_containerd("shoal-ph9-", config):
+        wait_for(lambda: region.nodes().get("n9", {}).get("state") == "up", "n9 registered with its own token")
+
+
+def test_a_region_without_the_shared_token_takes_own_tokens_only(module_registry, tmp_path):
+    """`[nodes] shared_token = false`: the secret itself no longer admits a node; own
+    tokens do, except those of `[nodes] revoked` names."""
+    store = tmp_path / "region store"
+    config = '[nodes]\nshared_token = false\nrevoked = ["n6"]\n'
+    proc, url, ca = start_region(module_registry.url, store, tmp_path / "region.log", config=config)
+    try:
+        region = Region(proc, url, ca, store)
+        shared = region.node_token_file.read_text().strip()
+        refused = node_call(region, "n5", shared)
+        assert refused.status_code == 401 and "not revoked" in refused.json()["error"]
+        assert node_call(region, "n5", own_token(region, module_registry, "n5")).status_code == 200
+        assert node_call(region, "n6", own_token(region, module_registry, "n6")).status_code == 401
+    finally:
+        stop_process(proc)
+        proc.stdout.close()
+
+
 def test_nodes_register_again_with_a_region_that_restarted(module_registry, fleet):
     """(Last in the module: it restarts the fleet's region.) The region forgets its nodes
     when it stops; their next poll fails, they register again, and jobs reach them."""

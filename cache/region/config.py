@@ -38,7 +38,11 @@ Every option, with its default (an empty file, or none, gives these):
     negative_ttl = 5.0             # seconds a refusal is remembered
 
     [nodes]
-    token_file = ""                # the secret nodes present to /p2p/v1/ (made at first start); "" = <tls_dir>/node-token
+    token_file = ""                # the region's node secret (made at first start); "" = <tls_dir>/node-token.
+                                   # A node presents its own token, `shoal region --node-token NAME`
+                                   # (made from the secret; it speaks for NAME alone), or the secret itself
+    shared_token = true            # accept the secret itself from any node (false: own tokens only)
+    revoked = []                   # node names whose own tokens are refused
 
     [prefetch]
     token_file = ""                # the preheat API's secret (/prefetch/v1/jobs; made at first start);
@@ -94,6 +98,8 @@ class AuthConfig:
 @dataclass
 class NodesConfig:
     token_file: str = ""
+    shared_token: bool = True
+    revoked: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -75,7 +75,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -92,7 +91,7 @@ from aiohttp import web
 from builder.oci.ranges import ContentRangeError, check_content_range
 from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
 from cache.region.config import RegionConfig
-from cache.region.tls import TOKEN_HEADER
+from cache.region.tls import TOKEN_HEADER, NodeTokens
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
 from shoal.metrics import CONTENT_TYPE, Metric, render
@@ -440,6 +439,7 @@ class RegionCache:
         self.config = config
         self.tls = tls
         self.node_token = node_token
+        self.node_tokens = NodeTokens(node_token, config.nodes.shared_token, config.nodes.revoked)
         self.backend = backend
         self.upstream = Upstream(config.origin, timeout=config.origin_timeout,
                                  verify_tls=config.origin_verify_tls)
@@ -897,9 +897,8 @@ class RegionCache:
         digest = request.match_info["digest"]
         if not is_digest(digest):
             raise web.HTTPBadRequest(text=f"invalid digest {digest[:100]!r}\n")
-        expected = self.node_token.encode()
-        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
-            raise web.HTTPUnauthorized(text="a bad-bytes report needs the region's node token\n")
+        if self.node_tokens.identify(request.headers.get(TOKEN_HEADER, "")) is None:
+            raise web.HTTPUnauthorized(text="a bad-bytes report needs a node token of this region\n")
         now = time.monotonic()
         if now - self._reported.get(digest, -RECHECK_EVERY) >= RECHECK_EVERY:
             if len(self._reported) >= _MAX_REMEMBERED:

@@ -3,6 +3,7 @@ CA that signs peer certificates, and the node token, kept in the region's state 
 
     paths = ensure_region_tls(folder, host, names)   # -> RegionTLS(ca, cert, key)
     token = ensure_node_token(path)
+    tokens = NodeTokens(token); tokens.token_for("gpu001"); tokens.identify(presented)
     swarm = PeerCA(folder); cert, ttl = swarm.issue(public_key_pem, torrent_name, node)
 
 Contract:
@@ -19,9 +20,12 @@ Contract:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -34,6 +38,9 @@ if TYPE_CHECKING:  # cryptography is imported where it is used: the region may r
     from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 
 TOKEN_HEADER = "X-Shoal-Node-Token"  # the region's node token, on swarm calls and bad-bytes reports
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")  # a node's name, as Slurm names nodes
+NODE_TOKEN_PREFIX = "shoal-node"
+ANY_NODE = "*"  # NodeTokens.identify: the shared token, which names no node
 _CA_DAYS = 3650
 _SERVER_DAYS = 365
 _RENEW_DAYS = 30
@@ -180,6 +187,46 @@ def ensure_node_token(path: str) -> str:
     token = secrets.token_hex(32)
     _write(path, (token + "\n").encode(), 0o600)
     return token
+
+
+class NodeTokens:
+    """Who presents a node token. The region's node secret (`[nodes] token_file`) is the
+    key of every node's own token, `shoal-node:NAME:HEX`, HEX = HMAC-SHA256(secret, NAME)
+    (`token_for`, what `shoal region --node-token NAME` prints): it proves NAME, so a
+    node cannot speak for another (register, poll or report under its name), and one name
+    can be revoked (`revoked`) without touching the others. The secret itself is the
+    shared token: given to every node (one Kubernetes Secret for a DaemonSet), it proves
+    only that the caller is one of the region's nodes; `shared=False` refuses it.
+
+    identify(presented) -> NAME, ANY_NODE (the shared token, or no secret set: none
+    asked), or None (refused). Comparisons are constant-time; pure, thread-safe."""
+
+    def __init__(self, secret: str, shared: bool = True, revoked: list[str] | tuple[str, ...] = ()) -> None:
+        self.secret = secret
+        self.shared = shared
+        self.revoked = frozenset(revoked)
+
+    def token_for(self, name: str) -> str:
+        if not NODE_NAME_RE.match(name):
+            raise ShoalError(f"{name[:80]!r} is not a node name (letters, digits, '.', '_', '-')")
+        if not self.secret:
+            raise ShoalError("the region has no node secret to make node tokens from")
+        return f"{NODE_TOKEN_PREFIX}:{name}:{self._mac(name)}"
+
+    def _mac(self, name: str) -> str:
+        return hmac.new(self.secret.encode(), b"shoal node token\0" + name.encode(), hashlib.sha256).hexdigest()
+
+    def identify(self, presented: str) -> str | None:
+        if not self.secret:
+            return ANY_NODE
+        if presented.startswith(NODE_TOKEN_PREFIX + ":"):
+            name, _, mac = presented[len(NODE_TOKEN_PREFIX) + 1:].rpartition(":")
+            if not NODE_NAME_RE.match(name) or name in self.revoked:
+                return None
+            return name if hmac.compare_digest(mac.encode(), self._mac(name).encode()) else None
+        if self.shared and hmac.compare_digest(presented.encode(), self.secret.encode()):
+            return ANY_NODE
+        return None
 
 
 def read_token(path: str) -> str:

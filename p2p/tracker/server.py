@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import ipaddress
 import logging
 import os
@@ -54,6 +53,7 @@ from urllib.parse import unquote_to_bytes
 
 from aiohttp import web
 
+from cache.region.tls import NodeTokens
 from p2p import bencode, metainfo
 from p2p.tracker import PREFIX, TOKEN_HEADER
 from p2p.tracker.peers import PeerTable
@@ -431,10 +431,12 @@ SERVICE_KEY = web.AppKey("swarm_service", SwarmService)  # the sub-application's
 
 def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = None, *,
              announce_url: str | None = None, trust_ip_param: bool = False,
-             authorize: Authorize | None = None, node_token: str = "", peer_ca=None) -> web.Application:
+             authorize: Authorize | None = None, node_token: str = "", peer_ca=None,
+             node_tokens: NodeTokens | None = None) -> web.Application:
     """The swarm service as an application to mount at PREFIX (see the module doc).
 
-    node_token: the secret every request must carry in TOKEN_HEADER ("" = none asked).
+    node_token: the secret every request must carry in TOKEN_HEADER ("" = none asked);
+    node_tokens: instead, who may call (a node's own token or the shared one: NodeTokens).
     peer_ca: the swarm CA (cache.region.tls.PeerCA) behind POST /v1/certs/<digest>; the
     torrents must then carry its certificate (their ssl_cert).
 
@@ -445,11 +447,11 @@ def make_app(torrents: TorrentSource | None = None, table: PeerTable | None = No
     passes its own access check (request.query "repo" and "ns" name the repository).
     """
     service = SwarmService(torrents, table or PeerTable(), announce_url, trust_ip_param, authorize, peer_ca)
-    expected = node_token.encode()
+    tokens = node_tokens if node_tokens is not None else NodeTokens(node_token)
 
     @web.middleware
     async def require_token(request: web.Request, handler):
-        if expected and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), expected):
+        if tokens.identify(request.headers.get(TOKEN_HEADER, "")) is None:
             service.stats["unauthorized"] += 1
             raise web.HTTPUnauthorized(text="the region's swarm service needs its node token "
                                             "([fetch] region_token_file on the node)\n")
