@@ -143,7 +143,7 @@ class PreheatWorker:
         for item in doc.get("jobs") or []:
             try:
                 a = Assignment(str(item["id"]), str(item["image"]), str(item["manifest"]), str(item["mode"]),
-                               float(item["timeout_s"]), check_part(item.get("part")))
+                               float(item["timeout_s"]), _part(item.get("part")))
             except (KeyError, TypeError, ValueError):
                 log.warning("preheat: region %s sent an assignment without its fields: %.200r", self.link.url, item)
                 continue
@@ -205,6 +205,16 @@ class PreheatWorker:
             return True
         log.warning("preheat job %s: region refused the report: HTTP %d %s", a.id, resp.status_code, _reason(resp))
         return resp.status_code < 500  # refused for good: no retry
+
+
+def _part(value: object) -> tuple[int, int]:
+    """The assignment's part; one the worker cannot read is 0 of 1 (the whole target in
+    order: slower for the region, never wrong), logged."""
+    try:
+        return check_part(value)
+    except ValueError as e:
+        log.warning("preheat: the region sent a bad part (%s): warming the whole target in order", e)
+        return 0, 1
 
 
 def _reason(resp: requests.Response) -> str:
