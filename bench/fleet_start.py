@@ -195,6 +195,7 @@ class Fleet:
         self.profile_published = False
         self.cpu = common.CpuGroups()
         self.spy_dir: Path | None = None
+        self.perf = False
         self.cpu.add("registry", [self.registry.proc.pid])
 
     def clients(self, argv: list) -> list:
@@ -341,6 +342,11 @@ class Fleet:
             (f"node{i}", pid) for i, node in enumerate(nodes)
             for pid in [node.proc.pid, *sorted(netlab.fs_pids(node.root))]]
         out = []
+        if self.perf:  # perf record of the same processes, for the native side (zstd, hashes, kernel)
+            out.append(subprocess.Popen(["perf", "record", "-g", "-F", "499", "-o", str(self.spy_dir / f"{label}.perf"),
+                                         "-p", ",".join(str(pid) for _, pid in targets)],
+                                        stdout=subprocess.DEVNULL,
+                                        stderr=open(self.spy_dir / f"{label}.perf.log", "wb")))  # noqa: SIM115
         for name, pid in targets:
             path = self.spy_dir / f"{label}-{name}-{pid}.txt"
             out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "50",
@@ -450,7 +456,7 @@ def model(runs: list[dict]) -> list[dict]:
 
 
 def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, small_from: int | None,
-            keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None) -> dict:
+            keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None, perf: bool = False) -> dict:
     lazy_start.preflight()
     reason = netlab.lab_missing(fuse=True)
     if reason:
@@ -487,6 +493,7 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                 try:
                     fleet = Fleet(lab, idir, procs, image, storage, max(ns), rate, registry_rate)
                     fleet.spy_dir = spy_dir
+                    fleet.perf = perf
                     if spy_dir is not None:
                         spy_dir.mkdir(parents=True, exist_ok=True)
                     for n in ns:
@@ -585,6 +592,8 @@ def main() -> int:
     p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                    help="record py-spy profiles (raw collapsed stacks) of the region and the nodes' processes "
                         "over every shoal start window into DIR")
+    p.add_argument("--perf", action="store_true",
+                   help="with --py-spy DIR: also `perf record -g` the same processes into DIR/LABEL.perf")
     p.add_argument("--scenarios", default="abcd",
                    help="which of a, b, c, d to run (default abcd; c and d need the profile b publishes, so b "
                         "runs once anyway)")
@@ -599,7 +608,7 @@ def main() -> int:
         p.error("--nodes: between 1 and 100 nodes")
     try:
         figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work,
-                          args.scenarios, args.py_spy)
+                          args.scenarios, args.py_spy, args.perf)
     except KeyboardInterrupt:
         common.say("interrupted; everything started was stopped")
         return 130

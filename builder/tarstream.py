@@ -384,6 +384,15 @@ def clean_name(name: str, untrusted: bool = False) -> str:
     `a//b`): tar writers put `./` only in front and `/` only at the end of a name, so a
     layer with anything else is hostile or broken.
     """
+    # The common case, a plain relative name after at most one leading "./" and one
+    # trailing "/" (no NUL, no leading "/" or ".", no empty or dot-led component), is its
+    # own clean form: the loop below would split it into the same parts, none of them "",
+    # "." or "..".
+    body = name.removeprefix("./")
+    body = body.removesuffix("/")
+    if (body and body[0] not in "/." and "//" not in body and "/." not in body and "\0" not in body
+            and not body.endswith("/")):
+        return body
     if "\0" in name:
         raise FormatError(f"path {name[:80]!r} contains a NUL byte")
     if untrusted and name.startswith("/"):
@@ -448,21 +457,27 @@ class LayerEntries:
 
     def __init__(self) -> None:
         self.seen: dict[str, str] = {}  # clean name -> entry type ("whiteout" for whiteouts)
+        # paths the parent walk found clear (each unseen or a directory), closed under
+        # ancestors; forgotten whenever one of them is given a non-directory entry
+        self._clear: set[str] = set()
 
     def admit(self, name: str, type: str, linkname: str = "") -> str:
         clean = clean_name(name, untrusted=True)
         if not clean and type != "dir":
             raise FormatError("the layer root must be a directory")
         parent = clean.rpartition("/")[0]
-        if any(part.startswith(WHITEOUT_PREFIX) for part in parent.split("/")):
+        if WHITEOUT_PREFIX in parent and any(part.startswith(WHITEOUT_PREFIX) for part in parent.split("/")):
             raise FormatError("a whiteout name cannot hold entries")
         at = parent
-        while at:  # every parent this layer itself made must be a directory (no path through its own links)
-            made = self.seen.get(at)
+        walked = []
+        while at and at not in self._clear:  # every parent this layer itself made must be a directory
+            made = self.seen.get(at)          # (no path through its own links)
             if made is not None and made != "dir":
                 what = {"reg": "file", "hardlink": "hard link", "char": "device", "block": "device"}.get(made, made)
                 raise FormatError(f"path goes through {at[:200]!r}, which this layer makes a {what}, not a directory")
+            walked.append(at)
             at = at.rpartition("/")[0]
+        self._clear.update(walked)
         kind = type
         if whiteout_target(clean) is not None:
             if type == "dir":
@@ -477,6 +492,8 @@ class LayerEntries:
         if previous is not None and not (previous == "dir" and type == "dir"):
             raise FormatError("duplicate entry: the layer has this name twice")
         self.seen[clean] = kind
+        if kind != "dir" and clean in self._clear:
+            self._clear.clear()  # a path walked before is no directory now: walk again
         return clean
 
 

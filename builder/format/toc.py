@@ -75,6 +75,22 @@ class Toc:
 
 
 def _timestamp(value: object, key: str, name: str) -> float:
+    if type(value) is str:  # most entries of a layer share a few times: parsed once each
+        seconds = _TIMES.get(value)
+        if seconds is not None:
+            return seconds
+        seconds = _parse_timestamp(value, key, name)
+        if len(_TIMES) < _TIMES_KEPT:
+            _TIMES[value] = seconds
+        return seconds
+    return _parse_timestamp(value, key, name)
+
+
+_TIMES: dict[str, float] = {}  # timestamp text -> seconds (pure function of the text; bounded)
+_TIMES_KEPT = 4096
+
+
+def _parse_timestamp(value: object, key: str, name: str) -> float:
     if value is None:
         return 0.0
     if not isinstance(value, str) or len(value) > 64:
@@ -113,6 +129,8 @@ def format_timestamp(ts: float) -> str:
 
 def _int(obj: dict, key: str, name: str, limit: int = MAX_FILE_SIZE) -> int:
     value = obj.get(key, 0)
+    if type(value) is int and 0 <= value <= limit:  # the common case first (bool is not int here)
+        return value
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > limit:

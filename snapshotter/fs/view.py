@@ -41,8 +41,9 @@ class LayerView:
         self.children: dict[str, dict[str, Node]] = {}
         self.opaque: set[str] = set()
         next_ino = max(reader.ino.values(), default=1) + 1
-        for path in reader.ino:
-            self.nodes.setdefault(reader.ino[path], Node(path, reader.ino[path]))
+        by_path = {path: Node(path, ino) for path, ino in reader.ino.items()}
+        for node in by_path.values():
+            self.nodes.setdefault(node.ino, node)
         for parent, names in reader.children.items():
             listing: dict[str, Node] = {}
             for name in names:
@@ -56,7 +57,7 @@ class LayerView:
                     self.nodes[node.ino] = node
                     listing.setdefault(target, node)
                 else:
-                    listing[name] = Node(child, reader.ino[child])  # a real entry wins over a whiteout
+                    listing[name] = by_path[child]  # a real entry wins over a whiteout
             self.children[parent] = listing
         self.max_ino = next_ino
         self._listings: dict[str, list[tuple[str, Node]]] = {}
