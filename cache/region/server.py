@@ -461,11 +461,19 @@ class _StagingWrites:
 
     async def drain(self) -> None:
         """Until every write is done; raises as check()."""
-        await self.settle()
+        await self._wait()
         self.check()
 
     async def settle(self) -> None:
-        """Until no write runs (whatever they did), their bytes counted."""
+        """At the read's end, whatever happened: until no write runs (whatever they did),
+        their bytes counted. Writes still waiting for the staging file to open are
+        dropped (a cancelled fill may never open it)."""
+        if self._fill.fd < 0:
+            for write, _ in self._pending:
+                write.cancel()
+        await self._wait()
+
+    async def _wait(self) -> None:
         if self._pending:
             await asyncio.wait([w for w, _ in self._pending])
             self._advance()
