@@ -250,6 +250,18 @@ def test_fill_ranges_table():
     assert fill.reading_ahead()
     running.done = True
     assert not fill.reading_ahead()
+    # a running read's bytes in its memory and not yet in the file (being written): a
+    # range answer may take them from memory, nothing may read them from the file
+    fill.written = 100
+    receiving = RangeRead(400, 600, got=50, mem=bytearray(range(120)))
+    fill.ranges = [receiving]
+    assert receiving.ready() == 520
+    assert fill.readable(420, 1000, ahead=True) == 100
+    assert fill.readable(420, 1000, ahead=True, memory=False) == 30
+    assert fill.readable(420, 1000, ahead=False) == 0
+    assert fill.from_memory(500, 100) == bytes(range(100, 120))
+    assert fill.held(400) == 450  # (what the fill may take: in the file only)
+    receiving.mem += bytes(10)  # (the memory still grows after it was served from)
 
 
 def test_whole_blob_ranges_and_head(registry, region_factory, tmp_path):
@@ -773,10 +785,10 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
         proc.stdout.close()
 
 
-class _RangeCorruptingOrigin:
-    """An origin (enough of the registry API for the region) whose whole-blob answers are
-    right and slow, and whose range answers from past the first byte are wrong: what a
-    broken range path in front of an origin looks like to the region."""
+class _BlobOrigin:
+    """An origin with one blob (enough of the registry API for the region), whose answers
+    a subclass shapes: answer(first, body) sends the body of a GET from byte `first`
+    (the whole blob's from 0, else a range's) to `out`."""
 
     def __init__(self, name: str, data: bytes) -> None:
         import http.server
@@ -818,16 +830,12 @@ class _RangeCorruptingOrigin:
                 if header.startswith("bytes="):
                     a, _, b = header[6:].partition("-")
                     first, last = int(a), min(int(b) if b else size - 1, size - 1)
+                origin.asked(first)
                 body = origin.data[first:last + 1]
-                if first > 0:  # the broken range path
-                    body = bytes(x ^ 0xFF for x in body)
                 extra = {"Content-Range": f"bytes {first}-{last}/{size}"} if header else {}
                 self._head(206 if header else 200, len(body), extra)
                 try:
-                    for i in range(0, len(body), 64 << 10):
-                        self.wfile.write(body[i:i + (64 << 10)])
-                        if first == 0:
-                            time.sleep(0.02)  # the fill is slow: range reads get ahead of it
+                    origin.answer(first, body, self.wfile)
                 except OSError:
                     pass
 
@@ -835,9 +843,29 @@ class _RangeCorruptingOrigin:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def asked(self, first: int) -> None:
+        """A GET from byte `first` came (called before the answer starts)."""
+
+    def answer(self, first: int, body: bytes, out) -> None:
+        out.write(body)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class _RangeCorruptingOrigin(_BlobOrigin):
+    """An origin whose whole-blob answers are right and slow, and whose range answers
+    from past the first byte are wrong: what a broken range path in front of an origin
+    looks like to the region."""
+
+    def answer(self, first: int, body: bytes, out) -> None:
+        if first > 0:  # the broken range path
+            body = bytes(x ^ 0xFF for x in body)
+        for i in range(0, len(body), 64 << 10):
+            out.write(body[i:i + (64 << 10)])
+            if first == 0:
+                time.sleep(0.02)  # the fill is slow: range reads get ahead of it
 
 
 def test_a_fill_that_took_bad_range_bytes_fails_and_the_next_fill_takes_none(region_factory):
@@ -864,6 +892,81 @@ def test_a_fill_that_took_bad_range_bytes_fails_and_the_next_fill_takes_none(reg
         whole = get(region, "lib/ranges", origin.digest)
         assert whole.status_code == 200 and whole.content == data
     finally:
+        origin.close()
+
+
+class _HeldRangeOrigin(_BlobOrigin):
+    """An origin that answers a range request (from past the first byte) only once the
+    test says so (`send`; `heard` is set when one came), then sends its first `part`
+    bytes and holds the rest until the test releases it (`go`); whole-blob answers go
+    out at once."""
+
+    def __init__(self, name: str, data: bytes, part: int) -> None:
+        self.part = part
+        self.heard, self.send, self.go = threading.Event(), threading.Event(), threading.Event()
+        super().__init__(name, data)
+
+    def asked(self, first: int) -> None:
+        if first > 0:
+            self.heard.set()
+            self.send.wait(60)
+
+    def answer(self, first: int, body: bytes, out) -> None:
+        if first > 0:
+            out.write(body[:self.part])
+            out.flush()
+            self.go.wait(60)
+            body = body[self.part:]
+        out.write(body)
+
+    def close(self) -> None:
+        self.send.set()
+        self.go.set()
+        super().close()
+
+
+def test_a_range_ahead_of_the_fill_goes_out_as_the_origin_sends_it(region_factory):
+    """A range answer ahead of the fill (a lazy start's TOC read) hands the origin's
+    bytes on as they come, before they are in the fill's staging file: with every I/O
+    thread of the region busy from before the origin's answer (the staging file can be
+    neither opened nor written) and the origin holding back the rest of the range, the
+    client has the range's first part already. Once both go on, the answer is whole
+    and right and the fill commits the blob."""
+    import http.client
+
+    data = random.Random(11).randbytes(12 << 20)
+    part = 256 << 10
+    origin = _HeldRangeOrigin("lib/held", data, part)
+    busy, started = threading.Event(), threading.Semaphore(0)
+    try:
+        region = region_factory(origin, io_threads=2)
+        start = len(data) - (1 << 20)
+        conn = http.client.HTTPConnection("127.0.0.1", region.port, timeout=30)
+        conn.request("GET", f"/v2/lib/held/blobs/{origin.digest}", headers={"Range": f"bytes={start}-{len(data) - 1}"})
+        assert origin.heard.wait(30), "the region did not ask the origin for the range"
+
+        def hold() -> None:
+            started.release()
+            busy.wait(60)
+
+        for _ in range(2):  # the region's whole I/O pool
+            region.cache._pool.submit(hold)
+        for _ in range(2):
+            assert started.acquire(timeout=30)
+        origin.send.set()
+        resp = conn.getresponse()
+        assert resp.status == 206
+        first = resp.read(part)  # (a timeout here: the bytes waited for the staging file)
+        assert first == data[start:start + part]
+        busy.set()
+        origin.go.set()
+        assert first + resp.read() == data[start:]
+        conn.close()
+        stats = region.wait_idle(60)
+        assert stats["fills_committed"] == 1 and stats["origin_range_bytes"] == 1 << 20, stats
+        assert get(region, "lib/held", origin.digest).content == data
+    finally:
+        busy.set()
         origin.close()
 
 

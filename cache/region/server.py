@@ -51,8 +51,11 @@ Blob requests, in order:
    from origin range requests (with its client's credentials) that write into the
    staging file above the fill's frontier, one request per part of the blob that no
    running read brings yet, so N clients asking for one range (a TOC) cost the origin
-   one range read, and overlapping ranges share what they have in common. These bytes
-   are not verified as they are served (a range cannot be; nodes check every chunk).
+   one range read, and overlapping ranges share what they have in common. A range
+   read hands each piece on as it comes: its clients take it from the read's memory
+   (its first RANGE_MEMORY bytes) while an I/O thread writes it into the staging
+   file, so they wait for the origin only. These bytes are not verified as they are
+   served (a range cannot be; nodes check every chunk).
    When the fill reaches a run of at least TAKE_AT_LEAST bytes that range reads hold
    (or are bringing), it closes its origin answer, reads that run back from the
    staging file into its hash (moving its frontier over it under the lock, so nothing
@@ -73,6 +76,7 @@ Blocking work (files, boto3, hashing) runs in a thread pool, never on the event 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -281,9 +285,15 @@ class RangeRead:
     got: int = 0
     done: bool = False
     error: HTTPFailure | None = None
-    # while it runs, its first RANGE_MEMORY bytes as written to the staging file: clients
-    # keeping up with it are served from here, without reading the file back
+    # while it runs, its first RANGE_MEMORY bytes as they come (before they are in the
+    # staging file): clients keeping up with it are served from here at once, without
+    # waiting for the write or reading the file back
     mem: bytearray = field(default_factory=bytearray)
+
+    def ready(self) -> int:
+        """The end of the bytes from `start` that clients may take now: in the staging
+        file (`got`) or, not yet written there, in `mem`."""
+        return self.start + max(self.got, len(self.mem))
 
     def covers(self) -> int:
         """The end of what this read has brought or will bring."""
@@ -331,9 +341,10 @@ class Fill:
             return self.size or 0
         return min(self.written, (self.size or 0) - 1)
 
-    def readable(self, pos: int, end: int, ahead: bool) -> int:
-        """How many bytes from `pos` (up to `end`) can be read from the staging file now:
-        the fill's own (available()), and with `ahead` what range reads brought."""
+    def readable(self, pos: int, end: int, ahead: bool, memory: bool = True) -> int:
+        """How many bytes from `pos` (up to `end`) can be served now: the fill's own
+        (available()), and with `ahead` what range reads brought, in the staging file or
+        (`memory`) still in their memory only (RangeRead.ready: from_memory serves those)."""
         at = pos
         while at < end:
             if at < self.available():
@@ -341,7 +352,8 @@ class Fill:
                 continue
             if not ahead:
                 break
-            got = max((r.start + r.got for r in self.ranges if r.start <= at < r.start + r.got), default=None)
+            got = max((e for r in self.ranges if r.start <= at < (e := r.ready() if memory else r.start + r.got)),
+                      default=None)
             if got is None:
                 break
             at = got
@@ -369,7 +381,8 @@ class Fill:
         for r in self.ranges:
             k = min(n, r.start + len(r.mem) - pos)
             if r.start <= pos and k > 0:
-                return bytes(r.mem[pos - r.start:pos - r.start + k])
+                with memoryview(r.mem) as view, view[pos - r.start:pos - r.start + k] as part:
+                    return bytes(part)  # (one copy; the views are released at once: mem grows)
         return None
 
     def bringing(self, pos: int) -> RangeRead | None:
@@ -413,6 +426,56 @@ class Fill:
         if self.done and self.readers <= 0 and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class _StagingWrites:
+    """A range read's writes into its fill's staging file (futures of I/O threads), in
+    the order of their offsets. As each is done, and every one before it, its bytes
+    count as in the file (RangeRead.got) and the fill's waiters are told. On the event
+    loop only."""
+
+    def __init__(self, fill: Fill, read: RangeRead) -> None:
+        self._fill, self._read = fill, read
+        self._pending: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
+
+    def add(self, write: asyncio.Future, end: int) -> None:
+        """`write` writes the read's bytes up to `end` (from the end of the one before);
+        its answer says whether it did (False: not, and none after it counts)."""
+        self._pending.append((write, end))
+        write.add_done_callback(self._advance)
+
+    def _advance(self, _: object = None) -> None:
+        moved = False
+        while self._pending and (first := self._pending[0][0]).done() and not first.cancelled() \
+                and first.exception() is None and first.result():
+            self._read.got = self._pending.popleft()[1] - self._read.start
+            moved = True
+        if moved:
+            self._fill.notify()
+
+    def check(self) -> None:
+        """Raise what the first write that failed raised (OSError), if one did."""
+        if self._pending and self._pending[0][0].done() and not self._pending[0][0].cancelled():
+            self._pending[0][0].result()
+
+    async def drain(self) -> None:
+        """Until every write is done; raises as check()."""
+        await self._wait()
+        self.check()
+
+    async def settle(self) -> None:
+        """At the read's end, whatever happened: until no write runs (whatever they did),
+        their bytes counted. Writes still waiting for the staging file to open are
+        dropped (a cancelled fill may never open it)."""
+        if self._fill.fd < 0:
+            for write, _ in self._pending:
+                write.cancel()
+        await self._wait()
+
+    async def _wait(self) -> None:
+        if self._pending:
+            await asyncio.wait([w for w, _ in self._pending])
+            self._advance()
 
 
 class Extension(Protocol):
@@ -1246,7 +1309,8 @@ class RegionCache:
             # a range answer may take a running range read's bytes from memory (maybe fewer
             # than n); a whole one is the fill's hashed bytes, read from the file
             data = fill.from_memory(pos, n) if ahead else None
-            if data is None:
+            if data is None:  # (from the file: no further than what is written there)
+                n = min(n, fill.readable(pos, end, ahead, memory=False))
                 data = await self._run(os.pread, fill.fd, n, pos)
                 if len(data) != n:
                     raise RuntimeError(f"staging file of {fill.digest} is short at {pos}")
@@ -1314,6 +1378,7 @@ class RegionCache:
         what = f"{name}@{digest} bytes {read.start}-{read.end - 1}"
         fill.readers += 1
         self.stats["range_reads"] += 1
+        writing = _StagingWrites(fill, read)
         try:
             try:
                 resp = opened or await self.upstream.request("GET", f"/v2/{name}/blobs/{digest}", authorization,
@@ -1333,25 +1398,34 @@ class RegionCache:
                 except ContentRangeError:
                     raise HTTPFailure(502, "ORIGIN_ERROR", f"origin answered Content-Range "
                                       f"{resp.headers.get('Content-Range')!r} for {what}") from None
+                # pos: the end of the bytes handed on. Each piece goes to the clients from
+                # memory first (RangeRead.mem), and into the staging file in an I/O thread
+                # while the next pieces come (`writing`): any number in flight while their
+                # bytes are in memory, past RANGE_MEMORY one at a time
                 pos, buf = read.start, bytearray()
                 flush = min(self._block, _AHEAD_PIECE)
                 try:
                     async for piece in resp.content.iter_chunked(self._block):
-                        buf += piece
                         self.stats["origin_range_bytes"] += len(piece)
-                        if len(buf) < flush and pos + len(buf) < read.end:
-                            continue
-                        await fill.wait_until(lambda: fill.fd >= 0 or fill.done)
+                        if buf or len(piece) < flush:  # (pieces of a flush or more go on as they are)
+                            buf += piece
+                            if len(buf) < flush and pos + len(buf) < read.end:
+                                continue
+                            data = bytes(buf)
+                            buf.clear()
+                        else:
+                            data = piece
                         if fill.done or fill.written >= read.end:
                             return  # the fill has passed it
-                        data = bytes(buf)
-                        await self._run(_write_ahead, fill, data, pos)
                         if len(read.mem) == pos - read.start and pos + len(data) - read.start <= RANGE_MEMORY:
                             read.mem += data
-                        pos += len(buf)
-                        buf.clear()
-                        read.got = pos - read.start
-                        fill.notify()
+                            fill.notify()
+                            writing.check()
+                        else:
+                            await writing.drain()
+                        writing.add(asyncio.ensure_future(self._stage(fill, data, pos)), pos + len(data))
+                        pos += len(data)
+                    await writing.drain()
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     raise HTTPFailure(502, "ORIGIN_ERROR", f"origin connection lost after {read.got} bytes of "
                                       f"{what}: {_describe(exc)}") from None
@@ -1369,10 +1443,21 @@ class RegionCache:
             self.stats["range_reads_failed"] += 1
             log.exception("range read of %s failed", what)
         finally:
+            await writing.settle()  # (their threads write into fill.fd: the fill must not close it before)
             read.end = read.start + read.got if read.error is None else read.end
             read.done, read.mem = True, bytearray()  # (what clients still need is in the file)
             fill.notify()
             fill.release_reader()
+
+    async def _stage(self, fill: Fill, data: bytes, pos: int) -> bool:
+        """Write a range read's `data` at `pos` into the fill's staging file once it is
+        open (_write_ahead, in an I/O thread): True; False when the fill ended first
+        (nothing written). Raises OSError."""
+        await fill.wait_until(lambda: fill.fd >= 0 or fill.done)
+        if fill.done:
+            return False
+        await self._run(_write_ahead, fill, data, pos)
+        return True
 
     # --- everything else under /v2/ -----------------------------------------------------
 
