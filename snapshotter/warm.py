@@ -66,7 +66,11 @@ class LocalPrefetch:
             raise ShoalError(f"no layer file system runs at {self.root}: start `shoal node --root {self.root}` first")
         # The hook asked for the profile: fetched whatever [fetch] prefetch_profiles says.
         self.remote = RemoteLayers(self.root, {**self.config, "prefetch_profiles": True}, self.fs)
-        self.lazy = [d.digest for d in self.descriptors if location_from_annotations(d.annotations) is not None]
+        tocs = {d.digest: location_from_annotations(d.annotations) for d in self.descriptors}
+        self.lazy = [digest for digest, loc in tocs.items() if loc is not None]
+        # a lazy layer's TOC is part of what warm means (its layer loaded): its compressed
+        # bytes count in the target, and as warm once the layer is loaded
+        self.toc_bytes = {digest: loc.toc.length for digest, loc in tocs.items() if loc is not None}
         self.unpacked = [d.digest for d in self.descriptors if d.digest not in self.lazy]
         self.profile: Profile | None = None
         self._chunks: list | None = None  # what this job asks the layer fs for: profile entries,
@@ -87,7 +91,14 @@ class LocalPrefetch:
         rows = {r["digest"]: r for r in reply["layers"]}
         empty = {"target_chunks": 0, "target_bytes": 0, "warm_chunks": 0, "warm_bytes": 0}
         loaded = {ly["digest"] for ly in self.fs.status().get("layers", [])}
-        layers = [rows.get(d) or {"digest": d, "loaded": d in loaded, **empty} for d in self.lazy]
+        layers = []
+        for d in self.lazy:
+            row = dict(rows.get(d) or {"digest": d, "loaded": d in loaded, **empty})
+            row["toc_bytes"] = toc = self.toc_bytes.get(d, 0)
+            row["target_bytes"] += toc
+            if row["loaded"]:
+                row["warm_bytes"] += toc
+            layers.append(row)
         w = Warmth(layers, int((reply.get("prefetch") or {}).get("jobs_pending", 0)))
         record_warmth(self.root, self.image, self.manifest, self.mode, w)
         return w
