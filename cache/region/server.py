@@ -428,6 +428,9 @@ class Fill:
             self.fd = -1
 
 
+SETTLE_OPEN = 5.0  # seconds a range read's end waits for its fill's staging file to open (_StagingWrites)
+
+
 class _StagingWrites:
     """A range read's writes into its fill's staging file (futures of I/O threads), in
     the order of their offsets. As each is done, and every one before it, its bytes
@@ -465,11 +468,15 @@ class _StagingWrites:
 
     async def settle(self) -> None:
         """At the read's end, whatever happened: until no write runs (whatever they did),
-        their bytes counted. Writes still waiting for the staging file to open are
-        dropped (a cancelled fill may never open it)."""
-        if self._fill.fd < 0:
-            for write, _ in self._pending:
-                write.cancel()
+        their bytes counted. A staging file still to open (a fill that starts as its first
+        range read ends: the access check's) is waited for, up to SETTLE_OPEN seconds, so
+        that the fill takes these bytes instead of fetching them again; writes still
+        waiting after that are dropped (a cancelled fill may never open it)."""
+        if self._fill.fd < 0 and self._pending:
+            await asyncio.wait([w for w, _ in self._pending], timeout=SETTLE_OPEN)
+            if self._fill.fd < 0:
+                for write, _ in self._pending:
+                    write.cancel()
         await self._wait()
 
     async def _wait(self) -> None:
