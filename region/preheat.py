@@ -76,7 +76,6 @@ MAX_PLATFORMS = 16  # platform manifests of an index whose layers a profile job 
 HOLD_MARGIN = 30.0  # seconds a profile job's hold outlasts its timeout (a job nobody asks about ends late)
 NODE_STATES = ("warming", "warm", "failed", "timeout")  # what a node may report
 FINAL = ("timeout", "failed", "cancelled")
-_NAME_RE = NODE_NAME_RE
 
 
 class Refused(Exception):
@@ -188,7 +187,7 @@ def check_job_request(doc: object, origin_serves) -> dict:
         raise Refused(400, f"nodes: {len(nodes)} names, at most {MAX_NODES}")
     seen: dict[str, None] = {}
     for n in nodes:
-        if not isinstance(n, str) or not _NAME_RE.match(n):
+        if not isinstance(n, str) or not NODE_NAME_RE.match(n):
             raise Refused(400, f"nodes: {str(n)[:80]!r} is not a node name")
         seen[n] = None
     mode = doc.get("mode", "profile")
@@ -285,7 +284,7 @@ class PreheatService:
         if who is None:
             raise Refused(401, f"a node's call needs {TOKEN_HEADER} (a node token of this region, not revoked)")
         name = request.match_info["name"]
-        if not _NAME_RE.match(name):
+        if not NODE_NAME_RE.match(name):
             raise Refused(400, f"{name[:80]!r} is not a node name")
         if who not in (ANY_NODE, name):
             log.warning("%s: a call for node %s with node %s's token refused", request.remote, name, who)

@@ -503,12 +503,12 @@ class RegionCache:
 
     def __init__(self, config: RegionConfig, backend: Backend, *, tls=None, node_token: str = "") -> None:
         """tls: the cache.region.tls.RegionTLS it serves with (None: plain HTTP);
-        node_token: the secret the region's nodes present (bad-bytes reports, and whatever
-        is mounted beside the cache: the swarm service) ("" = none asked: in-process tests
-        only; `shoal region` always has one)."""
+        node_token: the region's node secret, the key of node_tokens (NodeTokens: who may
+        make bad-bytes reports, and call what is mounted beside the cache: the swarm and
+        preheat services) ("" = none asked: in-process tests only; `shoal region` always
+        has one)."""
         self.config = config
         self.tls = tls
-        self.node_token = node_token
         self.node_tokens = NodeTokens(node_token, config.nodes.shared_token, config.nodes.revoked)
         self.backend = backend
         self.upstream = Upstream(config.origin, timeout=config.origin_timeout,
