@@ -74,6 +74,19 @@ class RegistryServer:
         ]
         return len(hits), sum(r.written for r in hits)
 
+    def settle(self, timeout: float = 20.0) -> None:
+        """Wait until every request answered before this call is in the log: the registry
+        logs a request after its response went out, so a client can have every byte before
+        the line is written. A marker request, logged after those, shows they are."""
+        marker = secrets.token_hex(8)
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            urllib.request.urlopen(f"{self.url}/v2/?settle={marker}", timeout=timeout).close()
+        deadline = time.monotonic() + timeout
+        while not any(marker in r.uri for r in self.requests()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the registry did not log the marker request {marker} in {timeout:.0f}s")
+            time.sleep(0.05)
+
     def layer_bytes(self, manifest: dict) -> int:
         """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest)."""
         return sum(self.count("GET", ly["digest"])[1] for ly in manifest["layers"])
