@@ -43,7 +43,13 @@ Contract for every Source:
   releases the source's connections and threads (the chain's close() calls it).
 - Threads: sources are thread-safe. The FUSE file system's worker threads call the
   chain, and a chain with a deadline calls each source from its own worker pool
-  (threads named shoal-source), where a call it stopped waiting for may go on running.
+  (threads named shoal-source), where a call it stopped waiting for may go on running;
+  the caller's context variables go with the call (PATIENT).
+- PATIENT (a context variable, default False): the caller's reads may wait a little for
+  peers. A preheat job's node sets it for the parts of the target another node of the
+  job fetches first (prefetch/warmup.py); the swarm source then waits (at most its
+  peer_wait) for a peer to have pieces nobody has yet before it asks its fallback
+  (p2p/ondemand.py). Other sources ignore it.
 
 What the chain raises (read_ranges with a check, as the loader calls it):
 - TransportError naming every source's failure when no source served any range that
@@ -75,6 +81,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextvars
 import logging
 import threading
 import time
@@ -84,6 +91,8 @@ from typing import Any
 
 from shoal.digest import check_digest
 from shoal.errors import FormatError, NotFound, ShoalError, TransportError
+
+PATIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_patient_reads", default=False)  # (module doc)
 
 log = logging.getLogger("shoal.fetch")
 
@@ -317,7 +326,7 @@ class FetchChain:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="shoal-source")
             pool = self._pool
-        fut = pool.submit(source.read_ranges, blob, asked)
+        fut = pool.submit(contextvars.copy_context().run, source.read_ranges, blob, asked)
         try:
             return fut.result(timeout=max(left, 0.0))
         except concurrent.futures.TimeoutError:

@@ -6,6 +6,11 @@ Per piece of the ranges asked (the plan is made on the owner thread, p2p/session
   nobody has it  -> fetched from the fallback chain (region, origin) right away, checked
                     against the piece's SHA-1 and add_piece()d, so neighbours take it
                     from this node from then on (p2p/fallback.py).
+A patient read (cache.source.PATIENT: a preheat job's part another node fetches first)
+first waits for pieces nobody has yet: until a peer has them all, or `peer_wait`
+seconds pass without a peer getting one more of them, or PATIENT_MAX in all (an owner
+that is down costs that once per read; counted as patient_timeouts); then it plans as
+above.
 A piece asked of peers that has not come within `peer_wait` seconds is fetched from the
 fallback too (libtorrent re-plans deadlines only about once a second, and a peer may be
 slow or gone). A complete torrent's reads are pread()s of its file, with no call on the
@@ -30,7 +35,7 @@ from typing import Protocol
 
 import libtorrent as lt
 
-from cache.source import BlobRef, Held, NotHere, Source
+from cache.source import PATIENT, BlobRef, Held, NotHere, Source
 from p2p.config import SwarmConfig
 from p2p.fallback import Fallback
 from p2p.metainfo import slice_pieces
@@ -38,6 +43,8 @@ from p2p.session import Session, Torrent
 from shoal.errors import ShoalError, TransportError
 
 _RECENT = 512  # latency samples kept for statistics()
+PATIENT_POLL = 0.05  # seconds between two looks of a patient read at what its peers have
+PATIENT_MAX = 5.0  # seconds a patient read waits in all, at most (well within the chain's read deadline)
 
 Plan = tuple[dict[int, Future], dict[int, Future], list[int]]  # (read locally, asked of peers, from the fallback)
 
@@ -70,6 +77,8 @@ class OnDemand:
                 return [Held(d) for d in slice_pieces(t.meta, done, ranges)]
         if not t.settled.is_set():
             t.settled.wait(self.config.settle_wait)
+        if PATIENT.get():
+            self._wait_for_peers(t, pieces)
         start = time.monotonic()
         local, asked, fetch = self.session.call(lambda: self._plan(t, pieces)).result(30)
         got: dict[int, bytes] = {}
@@ -91,6 +100,29 @@ class OnDemand:
                            read_pieces_fallback=len(fetch) + len(late))
         self.session.touch(t)
         return [Held(d) for d in slice_pieces(t.meta, got, ranges)]
+
+    def _wait_for_peers(self, t: Torrent, pieces: list[int]) -> None:
+        """A patient read: wait while peers keep getting pieces of `pieces` that nobody
+        had (here, in flight, or at a peer), until none is left, or `peer_wait` seconds
+        pass without one more, or PATIENT_MAX in all (the module doc)."""
+        fewest = len(pieces) + 1  # (it must fall for the wait to go on)
+        since = first = time.monotonic()
+        while True:
+            left = self.session.call(lambda: self._nobody_has(t, pieces)).result(30)
+            if not left:
+                return
+            now = time.monotonic()
+            if left < fewest:
+                fewest, since = left, now
+            if now - since >= self.config.peer_wait or now - first >= PATIENT_MAX:
+                self.session.count(patient_timeouts=1)
+                return
+            time.sleep(PATIENT_POLL)
+
+    def _nobody_has(self, t: Torrent, pieces: list[int]) -> int:
+        """Owner thread: how many of `pieces` no one has (neither here, nor in flight, nor at a peer)."""
+        availability = t.handle.piece_availability()
+        return sum(1 for p in pieces if not t.have[p] and p not in t.inflight and availability[p] <= 0)
 
     def _plan(self, t: Torrent, pieces: list[int]) -> Plan:
         """Owner thread: split pieces into: read locally, ask peers (deadline), fetch from

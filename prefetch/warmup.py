@@ -4,6 +4,7 @@ before the container's reads ask for them.
     profile = published_profile(registry, repository, manifest, plain_http, layers, limit, image)
     warmup = Warmup(loaded)           # loaded() -> {layer digest: WarmLoader} of the loaded layers
     warmup.prefetch(profile entries)  # queued now; a layer not loaded yet waits for it
+    warmup.prefetch(entries, part=(i, n))  # node i of a job of n: its own part first (below)
     warmup.layer_loaded(digest)       # at each load: its waiting entries are queued
     warmup.warmth(entries)            # how much of them is in the chunk store
 
@@ -13,6 +14,21 @@ owns one Warmup and calls it from its event loop alone; the fetches run on the w
 own PREFETCH_THREADS threads, through each layer's chunk loader, so what they fetch lands
 in the node's memory and chunk store and a read of a chunk on its way waits for it
 (the loader's single flight) instead of fetching it again.
+
+Parts: a region preheat job warms n nodes at once, each through its swarm (the pieces a
+peer has come from peers, those nobody has from the region at once). Were all nodes to
+fetch the same chunks in the same order, nobody would have anything when it is asked and
+the region would send the target once per node. So node i of n (`part=(i, n)`, handed
+by the region with the job) splits the entries into n contiguous parts of about equal
+compressed bytes (rotation) and fetches them from part i on: i, i+1, ..., n-1, 0, ...,
+i-1. At first every node fetches a part of its own from the region; when node i reaches
+part i+1, node i+1 has it (or most of it) and the swarm takes it from there. The other
+parts go from their end backwards, in jobs of PREFETCH_FIRST (a late owner and this
+node meet in the part's middle, at most a job's bytes fetched twice), each part once
+the one before it is done, and their reads are patient (cache.source.PATIENT: the swarm
+waits a little for the owner to have pieces nobody has yet, rather than ask the region
+for them too). Without a part (0 of 1), entries go in their order, as a
+node's own start asks.
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from builder.format.toc import Chunk
+from cache.source import PATIENT
 from prefetch.profile import Profile, ReadBlob, fetch_profile
 from shoal.errors import ShoalError
 
@@ -62,7 +79,42 @@ class WarmLoader(Protocol):
 
 
 def _entry_ok(entry: object) -> bool:
-    return isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
+    return (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[1:]))
+
+
+def check_part(part: object) -> tuple[int, int]:
+    """A job part as the wire carries it, [rank, of] with 0 <= rank < of (None: 0 of 1);
+    ValueError naming it otherwise."""
+    if part is None:
+        return 0, 1
+    if (not isinstance(part, (list, tuple)) or len(part) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in part)
+            or not 0 <= part[0] < part[1] <= 1_000_000):
+        raise ValueError(f"part {part!r}: want [rank, of] with 0 <= rank < of")
+    return int(part[0]), int(part[1])
+
+
+def rotation(entries: Iterable, part: tuple[int, int]) -> list[tuple[int, list]]:
+    """The valid `entries` as (part number, entry), in the order node `part[0]` of
+    `part[1]` fetches them: split in that many contiguous parts of about equal compressed
+    bytes (an entry's end - start), its own part first, then the next ones, wrapping
+    around, each of those from its end backwards (its owner fetches it from its start:
+    were the owner late, the two meet in its middle instead of racing over the same
+    chunks, each asking the region for what the other has not yet). With one part, the
+    entries in their order (all part 0)."""
+    valid = [list(e) for e in entries if _entry_ok(e)]
+    rank, of = part
+    if of <= 1 or not valid:
+        return [(0, e) for e in valid]
+    total = sum(max(0, e[2] - e[1]) for e in valid) or 1
+    parts: list[list[list]] = [[] for _ in range(of)]
+    before = 0
+    for e in valid:
+        parts[min(of - 1, before * of // total)].append(e)
+        before += max(0, e[2] - e[1])
+    own = [(rank, e) for e in parts[rank]]
+    return own + [(k % of, e) for k in range(rank + 1, rank + of) for e in reversed(parts[k % of])]
 
 
 class Warmup:
@@ -72,28 +124,31 @@ class Warmup:
         self._loaded = loaded
         self._lock = threading.Lock()  # the jobs' figures (jobs end on the pool's threads)
         self._pool: ThreadPoolExecutor | None = None
-        self._waiting: dict[str, list] = {}  # layer digest -> profile entries
+        self._waiting: dict[str, list[tuple[int, list]]] = {}  # layer digest -> (part, profile entry)
         self.queued = 0
         self._jobs = 0  # queued or running
         self._since = 0.0
         self._done = 0
 
-    def prefetch(self, entries: Iterable) -> int:
-        """Fetch the chunks of `entries` in that order, in jobs of one layer's chunks
+    def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1)) -> int:
+        """Fetch the chunks of `entries` in that order (node part[0] of a job's part[1]:
+        rotated, see the module doc), in jobs of one layer's chunks of one part
         (PREFETCH_FIRST compressed bytes, then twice as many each, up to PREFETCH_BATCH),
         on PREFETCH_THREADS threads. Entries of a layer not loaded yet wait for it (the
         node sends the profile while containerd still prepares the image's layers).
         Returns the number of chunks queued now."""
+        return self._queue(rotation(entries, part))
+
+    def _queue(self, entries: list[tuple[int, list]]) -> int:
         loaded = self._loaded()
         jobs: list[list] = []
         queued = 0
-        waiting: dict[str, list] = {}
-        for entry in entries:
-            if not _entry_ok(entry):
-                continue
+        waiting: dict[str, list[tuple[int, list]]] = {}
+        last_part = own = entries[0][0] if entries else 0  # (rotation's first part is the node's own)
+        for number, entry in entries:
             loader = loaded.get(entry[0])
             if loader is None:  # its turn comes when it is loaded
-                waiting.setdefault(entry[0], []).append(entry)
+                waiting.setdefault(entry[0], []).append((number, entry))
                 continue
             chunks = loader.chunks_at([entry[1:]])
             if not chunks:
@@ -102,11 +157,15 @@ class Warmup:
             # jobs grow from PREFETCH_FIRST to PREFETCH_BATCH: the first chunks come soon,
             # the rest in few requests (a job's chunks are fetched in blob order)
             budget = min(PREFETCH_BATCH, PREFETCH_FIRST << max(len(jobs) - 1, 0))
-            if jobs and jobs[-1][0] is loader and jobs[-1][2] + c.end - c.start <= budget:
+            if number != own:  # another node's part: small jobs, each asks peers what they have by then
+                budget = PREFETCH_FIRST
+            # (a job ends with its part: the next part is another node's first)
+            if jobs and jobs[-1][0] is loader and number == last_part and jobs[-1][2] + c.end - c.start <= budget:
                 jobs[-1][1].append(c)
                 jobs[-1][2] += c.end - c.start
             else:
-                jobs.append([loader, [c], c.end - c.start])
+                jobs.append([loader, [c], c.end - c.start, number])
+            last_part = number
             queued += 1
         self._waiting.update(waiting)  # a newer profile of a layer replaces an older one
         if not jobs:
@@ -117,26 +176,57 @@ class Warmup:
             if not self._jobs:
                 self._since, self._done = time.monotonic(), 0
             self._jobs += len(jobs)
-        for loader, chunks, _ in jobs:
-            self._pool.submit(self._job, loader, chunks)
+        stages: list[list[list]] = []
+        for job in jobs:
+            if stages and stages[-1][0][3] == job[3]:
+                stages[-1].append(job)
+            else:
+                stages.append([job])
+        if len(stages) == 1:
+            for loader, chunks, _, _ in jobs:
+                self._pool.submit(self._job, loader, chunks)
+        else:  # a job's parts one after the other (module doc): a thread of its own waits for each
+            threading.Thread(target=self._stages, args=(stages, own), name="shoal-prefetch-parts",
+                             daemon=True).start()
         self.queued += queued
         return queued
+
+    def _stages(self, stages: list[list[list]], own: int) -> None:
+        """The jobs of each part on the pool, a part's once the part before it is done:
+        its next part is another node's own, which that node fetches meanwhile (were the
+        pool's threads to start it while this node's own part is half done, the peer
+        would not have it yet and the region would send it twice). Never raises."""
+        pool = self._pool
+        assert pool is not None
+        for stage in stages:
+            try:
+                futures = [pool.submit(self._job, loader, chunks, number != own)
+                           for loader, chunks, _, number in stage]
+            except RuntimeError:  # the pool was shut down: the process is ending
+                return
+            for f in futures:
+                f.exception()  # (_job logs its own failures)
 
     def layer_loaded(self, digest: str) -> int:
         """The layer `digest` is loaded now: queue the entries waiting for it (logged)."""
         waiting = self._waiting.pop(digest, None)
         if not waiting:
             return 0
-        queued = self.prefetch(waiting)
+        queued = self._queue(waiting)
         log.info("prefetching %d chunks of layer %s", queued, digest)
         return queued
 
-    def _job(self, loader: WarmLoader, chunks: list[Chunk]) -> None:
+    def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False) -> None:
+        """One job, on a pool thread; `patient`: of another node's part (its reads may wait
+        a little for the peer that fetches it first: cache.source.PATIENT)."""
         done = 0
+        token = PATIENT.set(patient)
         try:
             done = loader.prefetch(chunks)
         except Exception:
             log.exception("prefetch of %d chunks of %s failed", len(chunks), loader.layer)
+        finally:
+            PATIENT.reset(token)
         with self._lock:
             self._jobs -= 1
             self._done += done

@@ -32,6 +32,7 @@ import requests
 from cache.region.client import RegionLink
 from cache.region.tls import TOKEN_HEADER
 from prefetch.client import PREFIX
+from prefetch.warmup import check_part
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.preheat")
@@ -47,6 +48,8 @@ class Assignment:
     manifest: str  # the digest the region resolved it to
     mode: str  # profile | full
     timeout_s: float  # seconds left of the job
+    part: tuple[int, int] = (0, 1)  # this node's rank of the job's nodes, and their number (a region
+    # before parts sends none: 0 of 1); the warm-up fetches that part of its target first
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Report:
     warm_bytes: int = 0
     target_bytes: int = 0
     error: str | None = None
+    peer_bytes: int | None = None  # blob bytes the node took from its swarm peers during the warm-up (final report)
 
 
 class Cancelled(Exception):
@@ -139,7 +143,7 @@ class PreheatWorker:
         for item in doc.get("jobs") or []:
             try:
                 a = Assignment(str(item["id"]), str(item["image"]), str(item["manifest"]), str(item["mode"]),
-                               float(item["timeout_s"]))
+                               float(item["timeout_s"]), _part(item.get("part")))
             except (KeyError, TypeError, ValueError):
                 log.warning("preheat: region %s sent an assignment without its fields: %.200r", self.link.url, item)
                 continue
@@ -153,7 +157,8 @@ class PreheatWorker:
     # --- one assignment ---------------------------------------------------------------------
 
     def _work(self, a: Assignment) -> None:
-        log.info("preheat job %s: warming %s (%s, %s) within %.0fs", a.id, a.image, a.manifest, a.mode, a.timeout_s)
+        log.info("preheat job %s: warming %s (%s, %s, part %d of %d) within %.0fs", a.id, a.image, a.manifest,
+                 a.mode, a.part[0] + 1, a.part[1], a.timeout_s)
         last = [0.0]
 
         def progress(r: Report) -> bool:
@@ -200,6 +205,16 @@ class PreheatWorker:
             return True
         log.warning("preheat job %s: region refused the report: HTTP %d %s", a.id, resp.status_code, _reason(resp))
         return resp.status_code < 500  # refused for good: no retry
+
+
+def _part(value: object) -> tuple[int, int]:
+    """The assignment's part; one the worker cannot read is 0 of 1 (the whole target in
+    order: slower for the region, never wrong), logged."""
+    try:
+        return check_part(value)
+    except ValueError as e:
+        log.warning("preheat: the region sent a bad part (%s): warming the whole target in order", e)
+        return 0, 1
 
 
 def _reason(resp: requests.Response) -> str:

@@ -21,10 +21,16 @@ The nodes (prefetch/worker.py), with the region's node token (cache.region.tls.T
   jobs it had not finished are handed to it again);
 - `GET /nodes/NAME/work`: a long poll, held up to `poll_s`, answering
   `{"jobs": [assignment...], "cancel": [ID...], "poll_s"}`; the node repeats it at once,
-  so the region hands it work with no inbound port on the node;
+  so the region hands it work with no inbound port on the node. An assignment is
+  `{"id", "image", "manifest", "mode", "timeout_s", "part": [I, N]}`: the node is the
+  I-th (from 0) by sorted name of the job's N nodes that were up when it was made, and
+  fetches that part of its target first (prefetch/warmup.py), so that the nodes fetch
+  different parts from the region at first and the rest from each other through the
+  swarm (a node not up then gets [0, 1]: all in order; a node before parts ignores it);
 - `POST /nodes/NAME/reports` `{"job", "state": "warming"|"warm"|"failed"|"timeout",
-  "warm_bytes", "target_bytes", "error"}`: what the node measured (its layer file
-  system's warmth op).
+  "warm_bytes", "target_bytes", "error", "peer_bytes"?}`: what the node measured (its
+  layer file system's warmth op; peer_bytes, in its final report: the blob bytes its
+  swarm took from peers during the warm-up).
 
 A node not heard from (poll or report) for `node_timeout` seconds is down: listed so,
 and in a job its state is "down" with an error saying since when (it comes back when the
@@ -33,8 +39,10 @@ it is asked for or reported on (no timer): "pending" (no node has reported), "ru
 "ready" (at least ceil(ready_fraction * len(nodes)) nodes warm; kept once reached),
 "failed" (too many nodes failed for that to happen), "timeout" (timeout_s passed first),
 "cancelled". origin_bytes: the region's origin bytes (fills and range reads, every blob)
-from the job's creation to its end (ready or a final state): the whole region's, so
-concurrent jobs and cold starts count in each other's.
+from the job's creation to its end (ready or a final state), and region_bytes the blob
+bytes the region served in that time: the whole region's, so concurrent jobs and cold
+starts count in each other's. peer_bytes: the sum of what the nodes reported taking
+from their swarm peers during their warm-ups.
 
 Everything runs on the region's event loop; nothing here blocks. Bad input is a 4xx with
 a one-line reason (`{"error": ...}`, text/plain for the reason too in `message`).
@@ -111,12 +119,15 @@ class JobNode:
     warm_bytes: int = 0
     target_bytes: int = 0
     error: str | None = None
+    peer_bytes: int | None = None  # what the node took from swarm peers during its warm-up (its final report)
+    part: tuple[int, int] = (0, 1)  # its place among the job's nodes up when it was made (sorted by name),
+    # and their number: the part of the target it fetches first (0 of 1 for a node that was not up)
     delivered: bool = False
     reported: str = ""  # the last state the node reported
 
     def view(self) -> dict:
         return {"name": self.name, "state": self.state, "warm_bytes": self.warm_bytes,
-                "target_bytes": self.target_bytes, "error": self.error}
+                "target_bytes": self.target_bytes, "error": self.error, "peer_bytes": self.peer_bytes}
 
 
 @dataclass
@@ -153,9 +164,18 @@ class Job:
                 "nodes": [n.view() for n in self.nodes.values()],
                 "ready_nodes": sum(n.state == "warm" for n in self.nodes.values()), "needed_nodes": self.needed,
                 "origin_bytes": self.origin_bytes, "region_bytes": self.region_bytes,
+                "peer_bytes": sum(n.peer_bytes or 0 for n in self.nodes.values()),
                 "warm_bytes": sum(n.warm_bytes for n in self.nodes.values()),
                 "target_bytes": sum(n.target_bytes for n in self.nodes.values()),
                 "age_s": round(time.monotonic() - self.created, 1)}
+
+
+def _job_nodes(names: list[str], up: set[str]) -> dict[str, JobNode]:
+    """A job's nodes, in the order named, each of those `up` with its part: its rank
+    among their sorted names, of their number (a node down or unknown gets none, so the
+    others do not wait for it: 0 of 1, it fetches the whole target in order)."""
+    ranks = {n: i for i, n in enumerate(sorted(up & set(names)))}
+    return {n: JobNode(n, part=(ranks[n], len(ranks)) if n in ranks else (0, 1)) for n in names}
 
 
 def check_job_request(doc: object, origin_serves) -> dict:
@@ -300,6 +320,11 @@ class PreheatService:
         except web.HTTPRequestEntityTooLarge:
             raise Refused(413, "the body is too large") from None
 
+    def _up(self) -> set[str]:
+        """The names of the nodes heard from within node_timeout."""
+        now = time.monotonic()
+        return {name for name, node in self.nodes.items() if now - node.last_seen < self.node_timeout}
+
     def _origin_counters(self) -> tuple[int, int]:
         st = self.cache.stats
         return st["origin_bytes"] + st["origin_range_bytes"], st["bytes_served"]
@@ -438,7 +463,8 @@ class PreheatService:
         self._forget_old()
         origin, served = self._origin_counters()
         job = Job(secrets.token_hex(8), want["image"], manifest, want["mode"], want["timeout_s"],
-                  want["ready_fraction"], {n: JobNode(n) for n in want["nodes"]}, time.monotonic(), time.time(),
+                  want["ready_fraction"], _job_nodes(want["nodes"], self._up()),
+                  time.monotonic(), time.time(),
                   origin, served, held=held)
         self.jobs[job.id] = job
         self.counts["jobs_created"] += 1
@@ -518,7 +544,8 @@ class PreheatService:
                 continue
             jn.delivered = True
             out.append({"id": job.id, "image": job.image, "manifest": job.manifest, "mode": job.mode,
-                        "timeout_s": max(1.0, job.timeout_s - (now - job.created))})
+                        "timeout_s": max(1.0, job.timeout_s - (now - job.created)),
+                        "part": list(jn.part)})
         return out
 
     async def _work(self, request: web.Request) -> web.Response:
@@ -563,6 +590,9 @@ class PreheatService:
             jn.state, jn.warm_bytes, jn.target_bytes = state, int(warm), int(target)  # type: ignore[arg-type]
             jn.error = error[:500] if isinstance(error, str) and error else None
             jn.reported = state
+            peers = doc.get("peer_bytes")
+            if isinstance(peers, int) and not isinstance(peers, bool) and peers >= 0:
+                jn.peer_bytes = peers
             self.refresh(job)
         return web.json_response({"job": job.id, "state": job.state, "cancelled": job.state == "cancelled"})
 

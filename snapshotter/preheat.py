@@ -12,7 +12,9 @@ token, without which the region refuses the node's calls).
 
 A job's image is read again here, by the manifest digest the region resolved, with the
 node's own registry credentials and plain-HTTP rule (a job cannot make the node speak
-HTTP to a registry); the warm-up and its measure are LocalPrefetch's.
+HTTP to a registry); the warm-up and its measure are LocalPrefetch's, with the node's
+part of the job (its rank of the job's nodes: it fetches that part of the target first,
+the rest mostly from the peers that did; prefetch/warmup.py).
 """
 
 from __future__ import annotations
@@ -45,15 +47,18 @@ def node_runner(root: str, fetch: dict) -> Run:
         _, plain, manifest, descriptors = resolve_image(f"{named.host}/{named.repository}@{a.manifest}",
                                                         named.host in plain_hosts)
         job = LocalPrefetch(a.image, BlobRef(named.host, named.repository, manifest, None, plain), manifest,
-                            descriptors, root, a.mode, fetch)
+                            descriptors, root, a.mode, fetch, a.part)
 
         def measured(w) -> None:
             if not progress(Report("warming", w.warm_bytes, w.target_bytes)):
                 raise Cancelled(a.id)
 
+        before = job.peer_bytes()
         job.start()
         state, w, error = job.wait_warm(a.timeout_s, measured)
-        return Report(state, w.warm_bytes, w.target_bytes, error or None)
+        after = job.peer_bytes()
+        peers = after - before if after is not None and before is not None else None
+        return Report(state, w.warm_bytes, w.target_bytes, error or None, peers)
 
     return run
 

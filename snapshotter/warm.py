@@ -58,6 +58,7 @@ class LocalPrefetch:
     root: str
     mode: str = "profile"
     config: dict = field(default_factory=dict)  # the node's [fetch] table, as a dict
+    part: tuple[int, int] = (0, 1)  # node I of a region preheat job's N: its own part first (prefetch/warmup.py)
 
     def __post_init__(self) -> None:
         self.fs = FSClient(self.root, self.config)
@@ -78,12 +79,12 @@ class LocalPrefetch:
     def start(self) -> None:
         """Load the lazy layers' TOCs (waits for them) and hand the chunks to fetch to
         the layer file system (which fetches them on its own threads)."""
-        self.profile = self.remote.warm_image(self.blob, self.manifest, self.image)
+        self.profile = self.remote.warm_image(self.blob, self.manifest, self.image, self.part)
         if self.mode == "profile":
             self._chunks = [list(c) for c in self.profile.chunks] if self.profile else []
         else:
             self._whole = self.lazy
-            self.fs.prefetch(whole=self._whole)
+            self.fs.prefetch(whole=self._whole, part=self.part)
 
     def measure(self) -> Warmth:
         reply = self.fs.warmth(self._chunks, self._whole)
@@ -123,8 +124,19 @@ class LocalPrefetch:
                 best = max(best, w.warm_bytes)
                 if stalled >= STALLED_ROUNDS:
                     return "failed", w, self.missing(w) + f" (fetches fail: see {self.root}/logs/fs.log)"
-                self.fs.prefetch(self._chunks, self._whole)
+                self.fs.prefetch(self._chunks, self._whole, self.part)
             time.sleep(POLL_S)
+
+    def peer_bytes(self) -> int | None:
+        """The blob bytes the node's layer file system took from swarm peers so far (its
+        `shoal status` figure; the node's, so starts at the same time count too), or None
+        when the layer file system does not say."""
+        from snapshotter.status import fetch_figures
+
+        try:
+            return int(fetch_figures(self.fs.status().get("store") or {})["bytes_from_peers"])
+        except (ShoalError, OSError, ValueError, TypeError):
+            return None
 
     def missing(self, w: Warmth) -> str:
         if w.not_loaded:

@@ -455,32 +455,75 @@ def test_node_and_region_metrics(world, nodes):
     assert "# TYPE shoal_region_served_bytes_total counter" in text
 
 
-def test_a_preheat_job_warms_four_nodes_through_the_swarm_at_one_origin_copy(world, nodes):
-    """The region's preheat API over the swarm: `shoal prefetch --region --mode full` for
-    four registered nodes (named after their namespaces); every node warm, measured by
-    itself; the origin served one copy of the layer; the nodes took part of it from
-    each other."""
+def _preheat(world: World, image: netlab.LabImage, names: list[str], mode: str) -> dict:
+    """`shoal prefetch --region --wait --json` for these nodes (in the hub): the job's final document."""
     import json
 
-    image, _ = world.image({"a.bin": 6 * MiB, "b.bin": 2 * MiB})
-    started = nodes(4)
-    names = [n.host.ns for n in started]
-    (layer,) = image.layers
     token_file = str(Path(world.region.token_file).parent / "prefetch-token")
     proc = world.lab.run(world.lab.hub, [netlab.SHOAL, "prefetch", image.name, "--region", world.region.url,
                                          "--ca", world.region.ca, "--token-file", token_file, "--nodes",
-                                         ",".join(names), "--mode", "full", "--wait", "--timeout", "120", "--json"],
+                                         ",".join(names), "--mode", mode, "--wait", "--timeout", "120", "--json"],
                          timeout=200, env=netlab._env())
-    assert proc.returncode == 0, proc.stderr + "\n".join(n.log() for n in started)
-    job = json.loads(proc.stdout)
-    assert job["state"] == "ready" and job["ready_nodes"] == 4
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_preheat_job_warms_four_nodes_through_the_swarm_at_one_origin_copy(world, nodes):
+    """The region's preheat API over the swarm: `shoal prefetch --region --mode full` for
+    four registered nodes (named after their namespaces); every node warm, measured by
+    itself; the origin served one copy of the layer; the region sent about one copy too
+    (each node fetches its own part of the target first, rank i of 4, and the rest from
+    the peers that fetched it): not a copy per node."""
+    image, _ = world.image({"a.bin": 12 * MiB, "b.bin": 4 * MiB})
+    started = nodes(4)
+    names = [n.host.ns for n in started]
+    (layer,) = image.layers
+    job = _preheat(world, image, names, "full")
+    assert job["state"] == "ready" and job["ready_nodes"] == 4, "\n".join(n.log() for n in started)
     assert {n["name"] for n in job["nodes"]} == set(names)
-    assert all(n["state"] == "warm" and n["warm_bytes"] == n["target_bytes"] > 7 * MiB for n in job["nodes"])
+    assert all(n["state"] == "warm" and n["warm_bytes"] == n["target_bytes"] > 15 * MiB for n in job["nodes"])
+    target = job["nodes"][0]["target_bytes"]  # one node's (the same on each)
     origin = world.origin_bytes(layer["digest"])
     fetched = [n.status()["fetch"] for n in started]
     peers = sum(f["bytes_from_peers"] for f in fetched)
     region = sum(f["bytes_from_region"] for f in fetched)
-    print(f"preheat over the swarm: layer {layer['size']} B, origin served {origin} B in all, "
-          f"nodes took {peers} B from peers and {region} B from the region")
+    print(f"preheat over the swarm: 4 nodes, target {target} B per node (layer {layer['size']} B); "
+          f"origin served {origin} B in all ({origin / target:.2f}x), the region {job['region_bytes']} B during "
+          f"the job ({job['region_bytes'] / target:.2f}x); the nodes took {peers} B from peers and {region} B "
+          f"from the region ({region / target:.2f}x); the job: peer_bytes {job.get('peer_bytes')} B")
     assert origin <= 1.05 * layer["size"]  # one copy for the four nodes (and the torrent's fill)
-    assert peers > 0
+    assert job["region_bytes"] <= 1.5 * target, "the region sent a copy per node, not about one for all"
+    assert region <= 1.5 * target
+    assert peers >= 2 * target  # the other copies came from the swarm
+    assert job["peer_bytes"] == sum(n["peer_bytes"] for n in job["nodes"]) >= 2 * target  # as the nodes reported
+
+
+def test_a_profile_preheat_job_sends_about_one_copy_of_the_profile_from_the_region(world, nodes):
+    """Mode profile over the swarm: a fifth node reads two of the layer's three files and
+    publishes what it read (`shoal profile save --push`), and stops; a job for the four others warms
+    the profile's chunks on each (not the third file's), the region sending about one
+    copy of the profile for the four (their parts of it first, the rest from each other)."""
+    image, files = world.image({"a.bin": 10 * MiB, "b.bin": 6 * MiB, "c.bin": 8 * MiB})
+    *started, recorder = nodes(5)
+    (mount,) = _provide(world, [recorder], image)
+    assert _read(mount, {k: files[k] for k in ("a.bin", "b.bin")}) == {k: files[k] for k in ("a.bin", "b.bin")}
+    netlab._shoal(world.lab, ["profile", "save", image.name, "--root", str(recorder.root), "--push",
+                              "--plain-http"], host=recorder.host)
+    # gone, as a crashed machine (its layer file system would seed the profile's pieces: the
+    # region's share of a job is what this test measures)
+    recorder.stop(world.lab, signal.SIGKILL)
+    region_before = world.region_bytes()
+    job = _preheat(world, image, [n.host.ns for n in started], "profile")
+    assert job["state"] == "ready" and job["ready_nodes"] == 4 and job["mode"] == "profile"
+    target = job["nodes"][0]["target_bytes"]
+    assert all(n["state"] == "warm" and n["warm_bytes"] == n["target_bytes"] == target for n in job["nodes"])
+    assert 15 * MiB < target < 17 * MiB  # the profile: a.bin and b.bin, not c.bin
+    region = world.region_bytes() - region_before
+    fetched = [n.status()["fetch"] for n in started]
+    peers = sum(f["bytes_from_peers"] for f in fetched)
+    print(f"profile preheat over the swarm: 4 nodes, target {target} B per node; the region served {region} B "
+          f"({region / target:.2f}x; {job['region_bytes']} B during the job), the nodes took {peers} B from peers "
+          f"(the job: {job.get('peer_bytes')} B), origin {world.origin_bytes(image.layers[0]['digest'])} B in all")
+    assert job["region_bytes"] <= 1.5 * target and region <= 1.5 * target
+    assert peers >= 2 * target
+    assert world.origin_bytes(image.layers[0]["digest"]) <= 1.05 * image.layers[0]["size"]

@@ -9,7 +9,10 @@ snapshotter/fs/client.py FSClient has a typed method for every op:
     {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
                                                           "store": the data path's figures}
     {"op": "profile", "layers": [DIGEST]?}            -> {"chunks": [[digest, start, end], ...]}
-    {"op": "prefetch", "chunks": [ENTRY]?, "whole": [DIGEST]?}  -> {"queued"}
+    {"op": "prefetch", "chunks": [ENTRY]?, "whole": [DIGEST]?, "part": [I, N]?}  -> {"queued"}
+                                                      (part: node I of a preheat job's N: its
+                                                       own part of the chunks first, wrapping
+                                                       around; prefetch/warmup.py. None: 0 of 1)
     {"op": "warmth", "chunks": [ENTRY]?, "whole": [DIGEST]?}    -> {"layers": [row], "prefetch"}
     {"op": "prove", "id": HEX, "urgent": bool?}       -> {"diff_id"} | {"error", "final"}
     {"op": "mark_bad", "id": HEX, "reason": TEXT}     -> {}
@@ -49,6 +52,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from prefetch.warmup import check_part
 from shoal.errors import DigestMismatch, FormatError, ShoalError
 
 if TYPE_CHECKING:
@@ -145,8 +149,9 @@ class NodeControl:
 
     def prefetch(self, req: dict) -> dict:
         entries, whole = self._entries(req)
+        part = check_part(req.get("part"))  # (a ValueError, answered as such)
         warmup = self.fs.warmup
-        return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole)))}
+        return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole), part))}
 
     def warmth(self, req: dict) -> dict:
         entries, whole = self._entries(req)
