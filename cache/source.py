@@ -50,6 +50,11 @@ Contract for every Source:
   job fetches first (prefetch/warmup.py); the swarm source then waits (at most its
   peer_wait) for a peer to have pieces nobody has yet before it asks its fallback
   (p2p/ondemand.py). Other sources ignore it.
+- BACKGROUND (a context variable, default False): nobody waits on these reads now (a
+  preheat's warm-up, a background proof): the region source tells the region, which then
+  has them wait for its fill of the blob instead of fetching them from the origin ahead
+  of it (the fill would read those bytes again: cache/region/server.py). Other sources
+  ignore it.
 
 What the chain raises (read_ranges with a check, as the loader calls it):
 - TransportError naming every source's failure when no source served any range that
@@ -93,6 +98,7 @@ from shoal.digest import check_digest
 from shoal.errors import FormatError, NotFound, ShoalError, TransportError
 
 PATIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_patient_reads", default=False)  # (module doc)
+BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_background_reads", default=False)  # (module doc)
 
 log = logging.getLogger("shoal.fetch")
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from builder.format.toc import Chunk
-from cache.source import PATIENT
+from cache.source import BACKGROUND, PATIENT
 from prefetch.profile import Profile, ReadBlob, fetch_profile
 from shoal.errors import ShoalError
 
@@ -124,22 +124,25 @@ class Warmup:
         self._loaded = loaded
         self._lock = threading.Lock()  # the jobs' figures (jobs end on the pool's threads)
         self._pool: ThreadPoolExecutor | None = None
-        self._waiting: dict[str, list[tuple[int, list]]] = {}  # layer digest -> (part, profile entry)
+        self._waiting: dict[str, tuple[list[tuple[int, list]], bool]] = {}  # layer digest ->
+        # ([(part, profile entry)], background)
         self.queued = 0
         self._jobs = 0  # queued or running
         self._since = 0.0
         self._done = 0
 
-    def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1)) -> int:
+    def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1), background: bool = False) -> int:
         """Fetch the chunks of `entries` in that order (node part[0] of a job's part[1]:
         rotated, see the module doc), in jobs of one layer's chunks of one part
         (PREFETCH_FIRST compressed bytes, then twice as many each, up to PREFETCH_BATCH),
         on PREFETCH_THREADS threads. Entries of a layer not loaded yet wait for it (the
         node sends the profile while containerd still prepares the image's layers).
-        Returns the number of chunks queued now."""
-        return self._queue(rotation(entries, part))
+        `background`: nobody waits on these chunks now (a preheat's warm-up, not a start's
+        profile): their reads are cache.source.BACKGROUND. Returns the number of chunks
+        queued now."""
+        return self._queue(rotation(entries, part), background)
 
-    def _queue(self, entries: list[tuple[int, list]]) -> int:
+    def _queue(self, entries: list[tuple[int, list]], background: bool) -> int:
         loaded = self._loaded()
         jobs: list[list] = []
         queued = 0
@@ -167,7 +170,8 @@ class Warmup:
                 jobs.append([loader, [c], c.end - c.start, number])
             last_part = number
             queued += 1
-        self._waiting.update(waiting)  # a newer profile of a layer replaces an older one
+        # a newer profile of a layer replaces an older one
+        self._waiting.update({d: (w, background) for d, w in waiting.items()})
         if not jobs:
             return 0
         if self._pool is None:
@@ -184,14 +188,14 @@ class Warmup:
                 stages.append([job])
         if len(stages) == 1:
             for loader, chunks, _, _ in jobs:
-                self._pool.submit(self._job, loader, chunks)
+                self._pool.submit(self._job, loader, chunks, False, background)
         else:  # a job's parts one after the other (module doc): a thread of its own waits for each
-            threading.Thread(target=self._stages, args=(stages, own), name="shoal-prefetch-parts",
+            threading.Thread(target=self._stages, args=(stages, own, background), name="shoal-prefetch-parts",
                              daemon=True).start()
         self.queued += queued
         return queued
 
-    def _stages(self, stages: list[list[list]], own: int) -> None:
+    def _stages(self, stages: list[list[list]], own: int, background: bool) -> None:
         """The jobs of each part on the pool, a part's once the part before it is done:
         its next part is another node's own, which that node fetches meanwhile (were the
         pool's threads to start it while this node's own part is half done, the peer
@@ -200,7 +204,7 @@ class Warmup:
         assert pool is not None
         for stage in stages:
             try:
-                futures = [pool.submit(self._job, loader, chunks, number != own)
+                futures = [pool.submit(self._job, loader, chunks, number != own, background)
                            for loader, chunks, _, number in stage]
             except RuntimeError:  # the pool was shut down: the process is ending
                 return
@@ -209,23 +213,25 @@ class Warmup:
 
     def layer_loaded(self, digest: str) -> int:
         """The layer `digest` is loaded now: queue the entries waiting for it (logged)."""
-        waiting = self._waiting.pop(digest, None)
+        waiting, background = self._waiting.pop(digest, ([], False))
         if not waiting:
             return 0
-        queued = self._queue(waiting)
+        queued = self._queue(waiting, background)
         log.info("prefetching %d chunks of layer %s", queued, digest)
         return queued
 
-    def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False) -> None:
+    def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False, background: bool = False) -> None:
         """One job, on a pool thread; `patient`: of another node's part (its reads may wait
-        a little for the peer that fetches it first: cache.source.PATIENT)."""
+        a little for the peer that fetches it first: cache.source.PATIENT); `background`:
+        cache.source.BACKGROUND."""
         done = 0
-        token = PATIENT.set(patient)
+        token, quiet = PATIENT.set(patient), BACKGROUND.set(background)
         try:
             done = loader.prefetch(chunks)
         except Exception:
             log.exception("prefetch of %d chunks of %s failed", len(chunks), loader.layer)
         finally:
+            BACKGROUND.reset(quiet)
             PATIENT.reset(token)
         with self._lock:
             self._jobs -= 1

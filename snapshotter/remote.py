@@ -159,11 +159,11 @@ class RemoteLayers:
         self._warm_pool.submit(self._warm_layers, blob, manifest_digest, image)
 
     def _warm_layers(self, blob: BlobRef, manifest_digest: str, image: str,
-                     part: tuple[int, int] = (0, 1)) -> Profile | None:
+                     part: tuple[int, int] = (0, 1), background: bool = False) -> Profile | None:
         """Load the TOCs of the image's lazy layers other than `blob` (on the warm-up
         pool) and hand its access profile to the layer fs (`part`: a preheat job's node
         I of N, FSClient.prefetch: then once the loads are done, on warm_image's own
-        thread alone); returns that profile."""
+        thread alone; `background`: a preheat's, FSClient.prefetch); returns that profile."""
         try:
             layers = self._manifest_layers(blob, manifest_digest)
         except (ShoalError, OSError, ValueError) as e:
@@ -182,10 +182,10 @@ class RemoteLayers:
             self._warm_pool.submit(self._warm_layer, other, desc, image)
         if part[1] > 1:  # a preheat job's part: the rotation spans every layer, so they load first
             self._warm_pool.shutdown(wait=True)
-        return self._prefetch_profile(blob, manifest_digest, image, layers, part)
+        return self._prefetch_profile(blob, manifest_digest, image, layers, part, background)
 
     def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list,
-                          part: tuple[int, int] = (0, 1)) -> Profile | None:
+                          part: tuple[int, int] = (0, 1), background: bool = False) -> Profile | None:
         """If the image has a published access profile (prefetch/profile.py), hand it to
         the layer file system, which fetches its chunks in its order as each layer is
         loaded: while containerd still prepares the layers, before the container's
@@ -202,7 +202,7 @@ class RemoteLayers:
             return None
         try:
             self.fs.ensure_running()
-            queued = self.fs.prefetch(profile.chunks, part=part)
+            queued = self.fs.prefetch(profile.chunks, part=part, background=background)
         except (ShoalError, OSError) as e:
             log.warning("%s: prefetch of its access profile: %s", image, e)
             return None
@@ -218,7 +218,7 @@ class RemoteLayers:
         hand its access profile to the layer fs, waiting for the loads: `shoal prefetch
         --root` (snapshotter/warm.py); `part`: node I of a preheat job's N fetches its own
         part of the profile first (prefetch/warmup.py). This RemoteLayers warms nothing after."""
-        profile = self._warm_layers(blob, manifest_digest, image, part)
+        profile = self._warm_layers(blob, manifest_digest, image, part, background=True)
         self._warm_pool.shutdown(wait=True)
         return profile
 

@@ -84,7 +84,7 @@ class LocalPrefetch:
             self._chunks = [list(c) for c in self.profile.chunks] if self.profile else []
         else:
             self._whole = self.lazy
-            self.fs.prefetch(whole=self._whole, part=self.part)
+            self.fs.prefetch(whole=self._whole, part=self.part, background=True)
 
     def measure(self) -> Warmth:
         reply = self.fs.warmth(self._chunks, self._whole)
@@ -124,7 +124,7 @@ class LocalPrefetch:
                 best = max(best, w.warm_bytes)
                 if stalled >= STALLED_ROUNDS:
                     return "failed", w, self.missing(w) + f" (fetches fail: see {self.root}/logs/fs.log)"
-                self.fs.prefetch(self._chunks, self._whole, self.part)
+                self.fs.prefetch(self._chunks, self._whole, self.part, background=True)
             time.sleep(POLL_S)
 
     def peer_bytes(self) -> int | None:

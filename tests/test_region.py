@@ -31,7 +31,7 @@ from cache.region import backends
 from cache.region.client import RegionLink, RegionSource
 from cache.region.config import AuthConfig, RegionConfig
 from cache.region.server import parse_range
-from cache.region.tls import ensure_region_tls
+from cache.region.tls import BACKGROUND_HEADER, ensure_region_tls
 from cache.source import BlobRef, FetchChain, NotHere
 from region.service import start_region
 from shoal.errors import TransportError
@@ -891,6 +891,46 @@ def test_a_fill_that_took_bad_range_bytes_fails_and_the_next_fill_takes_none(reg
         assert region.backend.contains(origin.digest)
         whole = get(region, "lib/ranges", origin.digest)
         assert whole.status_code == 200 and whole.content == data
+    finally:
+        origin.close()
+
+
+class _SlowWholeOrigin(_BlobOrigin):
+    """An origin whose whole-blob answers are slow (the fill), and whose range answers go
+    out at once."""
+
+    def answer(self, first: int, body: bytes, out) -> None:
+        for i in range(0, len(body), 64 << 10):
+            out.write(body[i:i + (64 << 10)])
+            if first == 0:
+                time.sleep(0.02)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_background_range_far_ahead_of_a_fill_waits_for_it_and_costs_the_origin_nothing_more(
+        region_factory, background):
+    """A range far ahead of a running fill goes to the origin as a range at once (a start
+    waits on it), and the fill reads those bytes again (a run shorter than it takes):
+    more than one copy. A background read (a preheat's warm-up, a proof:
+    BACKGROUND_HEADER) waits for the fill instead: one copy."""
+    data = random.Random(12).randbytes(12 << 20)
+    origin = _SlowWholeOrigin("lib/slow", data)
+    try:
+        region = region_factory(origin)
+        assert get(region, "lib/slow", origin.digest, {"Range": "bytes=0-1023"}).content == data[:1024]
+        at = 8 << 20  # past fill_window ahead of the fill, which has about 1 MiB by now
+        headers = {"Range": f"bytes={at}-{at + (1 << 20) - 1}"}
+        if background:
+            headers[BACKGROUND_HEADER] = "1"
+        r = get(region, "lib/slow", origin.digest, headers)
+        assert r.status_code == 206 and r.content == data[at:at + (1 << 20)]
+        stats = region.wait_idle(60)
+        assert stats["fills_committed"] == 1
+        if background:
+            assert stats["origin_range_bytes"] == 0 and stats["origin_bytes"] == len(data), stats
+        else:
+            assert stats["origin_range_bytes"] == 1 << 20, stats
+            assert stats["origin_bytes"] + stats["origin_range_bytes"] > len(data), stats
     finally:
         origin.close()
 

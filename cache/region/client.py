@@ -34,8 +34,8 @@ from builder.oci.auth import find_credentials
 from builder.oci.ranges import ContentRangeError, check_content_range
 from builder.oci.registry import is_loopback
 from cache.origin import merge_ranges, slice_spans
-from cache.region.tls import TOKEN_HEADER
-from cache.source import BlobRef, NotHere, Source
+from cache.region.tls import BACKGROUND_HEADER, TOKEN_HEADER
+from cache.source import BACKGROUND, BlobRef, NotHere, Source
 from shoal.errors import ShoalError, TransportError
 
 log = logging.getLogger("shoal.fetch")
@@ -196,6 +196,8 @@ class RegionSource(Source):
         authorization = self._authorization(blob)
         if authorization:
             headers["Authorization"] = authorization
+        if BACKGROUND.get():
+            headers[BACKGROUND_HEADER] = "1"
         try:
             resp = self._session().get(url, headers=headers, timeout=self._timeouts, stream=True)
         except requests.exceptions.SSLError as exc:

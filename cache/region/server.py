@@ -95,7 +95,7 @@ from aiohttp import web
 from builder.oci.ranges import ContentRangeError, check_content_range
 from cache.region.backends import Backend, BackendError, BlobNotFound, InvalidRange
 from cache.region.config import RegionConfig
-from cache.region.tls import TOKEN_HEADER, NodeTokens
+from cache.region.tls import BACKGROUND_HEADER, TOKEN_HEADER, NodeTokens
 from cache.region.upstream import Upstream, credentials_key, error_text
 from shoal.digest import is_digest
 from shoal.metrics import CONTENT_TYPE, Metric, render
@@ -661,7 +661,8 @@ class RegionCache:
         start_time = time.monotonic()
         name, digest = request.match_info["name"], request.match_info["digest"]
         self.stats["requests"] += 1
-        note = {"how": "-", "bytes": 0, "range": request.headers.get("Range", "")}
+        note = {"how": "-", "bytes": 0, "range": request.headers.get("Range", ""),
+                "background": request.headers.get(BACKGROUND_HEADER) == "1"}
         status = 500
         try:
             resp = await self._serve_blob(request, name, digest, note)
@@ -750,10 +751,11 @@ class RegionCache:
         answer goes to the client once the origin allowed it, as any range read's does.
         None: not that case (or the origin's answer was no range), go the usual way.
         Clients of the same blob that come meanwhile wait for it, then go the usual way
-        (their credentials checked, or remembered; the range read joined)."""
+        (their credentials checked, or remembered; the range read joined). Not for a
+        background read: it waits for the fill (_read_ahead)."""
         await self._after_probe(digest)
         span = explicit_range(request.headers.get("Range"))
-        if (request.method != "GET" or span is None or span[0] <= self.config.fill_window
+        if (request.method != "GET" or span is None or span[0] <= self.config.fill_window or note.get("background")
                 or digest in self._fills or (self.config.auth.check and self.access.known(name, digest, authorization))):
             return None
         done = asyncio.get_running_loop().create_future()
@@ -1352,8 +1354,12 @@ class RegionCache:
     def _read_ahead(self, fill: Fill, pos: int, end: int, authorization: str | None, note: dict) -> RangeRead | None:
         """The range read that brings byte `pos`, or None when `pos` is to wait for the
         fill. A missing read is started, with reads of every other part of [pos, end)
-        that none brings yet: one origin request per byte however many clients ask."""
-        if fill.ranges_refused or fill.size is None or (fill.whole and pos <= fill.written + self.config.fill_window):
+        that none brings yet: one origin request per byte however many clients ask.
+        A background read (BACKGROUND_HEADER: a preheat's warm-up, a proof) waits for a
+        whole fill wherever it is: a range read ahead of the fill's open answer would
+        cost the origin those bytes twice, and nobody waits on this one."""
+        if fill.ranges_refused or fill.size is None or (fill.whole and (
+                note.get("background") or pos <= fill.written + self.config.fill_window)):
             return None
         read = fill.bringing(pos)
         if not note.get("ahead"):

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # cryptography is imported where it is used: the region may r
     from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 
 TOKEN_HEADER = "X-Shoal-Node-Token"  # the region's node token, on swarm calls and bad-bytes reports
+BACKGROUND_HEADER = "X-Shoal-Background"  # "1": nobody waits on this blob read now (cache.source.BACKGROUND)
 NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")  # a node's name, as Slurm names nodes
 NODE_TOKEN_PREFIX = "shoal-node"
 ANY_NODE = "*"  # NodeTokens.identify: the shared token, which names no node

@@ -74,7 +74,7 @@ from typing import Protocol
 from builder.format.reader import ChunkLoader, LayerReader
 from builder.format.toc import Chunk, decompress_toc, parse_toc
 from cache.memory import ChunkMemory
-from cache.source import BlobRef
+from cache.source import BACKGROUND, BlobRef
 from prefetch.trace import AccessTrace, LayerTrace
 from prefetch.warmup import WarmLoader, Warmup
 from shoal.digest import check_digest
@@ -373,6 +373,7 @@ class LayerFS:
                                           "proof", "final": False})
             return
         started = time.monotonic()
+        token = BACKGROUND.set(background)  # (nobody waits on a background proof: the region may queue it)
         try:
             if self.read_ranges is None:
                 raise ShoalError("no fetch chain to read the blob through")
@@ -386,6 +387,8 @@ class LayerFS:
         except Exception as e:
             log.exception("proof of layer %s failed", layer.blob.digest)
             answer = {"error": f"layer {layer.blob.digest}: {type(e).__name__}: {e}", "final": False}
+        finally:
+            BACKGROUND.reset(token)
         entry[0].set_result(answer)
 
     def mark_bad(self, layer_id: str, reason: str) -> None:
