@@ -32,6 +32,8 @@ from builder.oci.refs import (
     open_source,
     parse_reference,
 )
+from builder.oci.registry import RegistryDestination
+from builder.pieces import Pieces, hash_file, push_pieces
 from builder.tarstream import Decompressing, hash_tar
 from shoal import mediatypes as mt
 from shoal.digest import check_digest, sha256_digest
@@ -51,6 +53,7 @@ class ConvertOptions:
     platforms: list[str] = field(default_factory=list)  # "os/arch[/variant]"; empty = all
     chunk_index: str | None = None  # sqlite file remembering chunks across runs
     workdir: str | None = None
+    pieces: bool = True  # publish each lazy layer's piece hashes beside the image (builder/pieces.py)
 
 
 @dataclass
@@ -134,6 +137,8 @@ class Converter:
         self.layers: list[LayerReport] = []
         self.manifests: list[dict] = []
         self._done_layers: dict[str, tuple[dict, LayerReport]] = {}
+        self.pieces: dict[str, Pieces] = {}  # lazy layer digest -> its piece hashes (published after the image)
+        self.published: list[dict] = []
         self._work = tempfile.mkdtemp(prefix="shoal-convert-", dir=options.workdir)
 
     def close(self) -> None:
@@ -150,7 +155,25 @@ class Converter:
         else:
             raise FormatError(f"{self.src.reference}: unsupported manifest type {root.media_type}")
         self.dst.put_root(new_root)
+        self._publish_pieces()
         return new_root
+
+    def _publish_pieces(self) -> None:
+        """Push each lazy layer's piece hashes beside the image (a registry destination
+        only: a region reads them there), after the image: a failure is logged, the image
+        stands (a region then makes the layer's torrent only from the whole blob)."""
+        if not isinstance(self.dst, RegistryDestination) or not self.pieces:
+            return
+        ref = self.dst.ref
+        for digest, pieces in self.pieces.items():
+            try:
+                pushed = push_pieces(ref.host, ref.repository, pieces, self.dst.plain_http)
+            except ShoalError as e:
+                log.warning("%s: cannot publish the piece hashes of layer %s: %s", self.dst.reference, digest, e)
+                continue
+            self.published.append({"blob": digest, "reference": pushed, "piece_length": pieces.piece_length,
+                                   "pieces": pieces.count})
+        log.info("%s: piece hashes of %d lazy layers published", self.dst.reference, len(self.published))
 
     def _convert_index(self, root: Manifest) -> Manifest:
         index = parse_index(root.data, self.src.reference)
@@ -262,6 +285,8 @@ class Converter:
                 if got != diff_id:
                     raise FormatError(f"{what}: uncompressed content has digest {got}, the config's diff_id is {diff_id}")
                 report.bytes_in = n
+                if self.opt.pieces:
+                    self.pieces[src_digest] = hash_file(path, src_digest)
 
             self._copy_blob(desc, what, check)
             log.info("%s: already zstd:chunked, copied unchanged", what)
@@ -294,6 +319,8 @@ class Converter:
             )
         try:
             self.dst.put_blob(out_path, result.digest, result.size)
+            if self.opt.pieces:
+                self.pieces[result.digest] = hash_file(out_path, result.digest)
         finally:
             os.unlink(out_path)
         annotations = {k: v for k, v in (desc.get("annotations") or {}).items() if k not in _STALE_ANNOTATIONS}
@@ -371,6 +398,7 @@ def convert(
             "dedup": dedup_report(conv.layers, index, dst_ref),
             "bytes_in": sum(ly.bytes_in for ly in conv.layers),
             "bytes_out": sum(ly.bytes_out for ly in conv.layers),
+            "pieces": conv.published,
             "seconds": round(time.monotonic() - start, 3),
         }
     finally:

@@ -70,6 +70,9 @@ def _print_convert(summary: dict) -> None:
             f"  {len(d['shared_with_earlier_images'])} chunks already seen in earlier images"
             f" ({d['shared_with_earlier_images_bytes'] / 1e6:,.1f} MB)"
         )
+    if summary.get("pieces"):
+        print(f"  piece hashes of {len(summary['pieces'])} lazy layers published for the swarm "
+              "(tags sha256-<layer hex>.shoal-pieces)")
     print(f"  {summary['bytes_in'] / 1e6:,.1f} MB -> {summary['bytes_out'] / 1e6:,.1f} MB in {summary['seconds']:.1f}s")
 
 
@@ -87,6 +90,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         threads=args.threads,
         platforms=args.platform or [],
         chunk_index=args.chunk_index,
+        pieces=not args.no_pieces,
     )
     progress = TerminalProgress() if not args.json and sys.stderr.isatty() else None
     # the command owns its process, so it may set the interpreter's switch interval the
@@ -171,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--chunk-index", metavar="FILE",
         help="SQLite file that remembers chunk digests across runs, to report chunks shared with earlier images",
+    )
+    c.add_argument(
+        "--no-pieces", action="store_true",
+        help="do not publish the layers' piece hashes (tags sha256-<layer hex>.shoal-pieces in DST's repository, "
+             "so that a region offers a layer's torrent before it has the layer whole; registry DST only)",
     )
     c.set_defaults(func=cmd_convert)
 

@@ -40,35 +40,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from builder.pieces import MAX_PIECE, MIN_PIECE, TARGET_PIECES, PieceHasher, Pieces, piece_size_for  # noqa: F401
 from p2p import bencode
 from shoal.digest import check_digest, hex_of
 from shoal.errors import DigestMismatch, FormatError
 
-MIN_PIECE = 256 << 10  # BitTorrent needs >= 16 KiB; smaller pieces cost hashes and requests
-MAX_PIECE = 16 << 20
-TARGET_PIECES = 16384  # at most 320 KB of piece hashes per torrent (up to 256 GiB blobs)
 _READ = 4 << 20
 
 
 def blob_name(digest: str) -> str:
     """The file name inside a blob's torrent (what aria2 saves it as)."""
     return "sha256-" + hex_of(digest)
-
-
-def piece_size_for(size: int) -> int:
-    """The default piece size: the smallest power of two >= MIN_PIECE that keeps the
-    blob within TARGET_PIECES pieces (1 GB: 256 KiB; 8 GiB: 512 KiB; 30 GB: 2 MiB).
-    Small pieces keep on-demand reads close to the chunk sizes they serve."""
-    piece = MIN_PIECE
-    while piece < MAX_PIECE and -(-size // piece) > TARGET_PIECES:
-        piece *= 2
-    return piece
-
-
-def _check_piece_size(piece: int) -> int:
-    if piece < 16 << 10 or piece > MAX_PIECE or piece & (piece - 1):
-        raise ValueError(f"piece size {piece}: want a power of two between 16 KiB and {MAX_PIECE >> 20} MiB")
-    return piece
 
 
 class InfoBuilder:
@@ -79,27 +61,17 @@ class InfoBuilder:
         if size <= 0:
             raise ValueError("a blob of 0 bytes has no torrent")
         self.size = size
-        self.piece_size = _check_piece_size(piece_size or piece_size_for(size))
         self._sha256 = hashlib.sha256()
-        self._piece = hashlib.sha1()
-        self._in_piece = 0
-        self._hashes: list[bytes] = []
+        self._pieces = PieceHasher(size, piece_size)
+        self.piece_size = self._pieces.piece_length
         self._fed = 0
 
     def update(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        if self._fed + len(view) > self.size:
+        if self._fed + len(data) > self.size:
             raise DigestMismatch(f"blob is longer than its {self.size} bytes")
-        self._fed += len(view)
-        self._sha256.update(view)
-        while view:
-            take = min(len(view), self.piece_size - self._in_piece)
-            self._piece.update(view[:take])
-            self._in_piece += take
-            view = view[take:]
-            if self._in_piece == self.piece_size:
-                self._hashes.append(self._piece.digest())
-                self._piece, self._in_piece = hashlib.sha1(), 0
+        self._fed += len(data)
+        self._sha256.update(data)
+        self._pieces.update(data)
 
     def finish(self, digest: str | None = None, ssl_cert: bytes = b"") -> tuple[str, bytes]:
         """(blob digest, bencoded info dict). With `digest`, the bytes must hash to it.
@@ -107,22 +79,25 @@ class InfoBuilder:
         peers talk TLS and must present a certificate it signed for the torrent's name)."""
         if self._fed != self.size:
             raise DigestMismatch(f"blob is {self._fed} bytes, want {self.size}")
-        if self._in_piece:
-            self._hashes.append(self._piece.digest())
-            self._in_piece = 0
         got = "sha256:" + self._sha256.hexdigest()
         if digest is not None and got != check_digest(digest):
             raise DigestMismatch(f"blob {digest}: bytes hash to {got}; no torrent made")
-        info = {
-            "length": self.size,
-            "name": blob_name(got),
-            "piece length": self.piece_size,
-            "pieces": b"".join(self._hashes),
-            "private": 1,
-        }
-        if ssl_cert:
-            info["ssl-cert"] = ssl_cert
-        return got, bencode.encode(info)
+        return got, info_from_pieces(self._pieces.finish(got), ssl_cert)
+
+
+def info_from_pieces(pieces: Pieces, ssl_cert: bytes = b"") -> bytes:
+    """The bencoded info dict of a blob from its piece hashes (made from the blob, or
+    published at `shoal convert`: builder/pieces.py)."""
+    info: dict = {
+        "length": pieces.size,
+        "name": blob_name(pieces.blob),
+        "piece length": pieces.piece_length,
+        "pieces": pieces.hashes,
+        "private": 1,
+    }
+    if ssl_cert:
+        info["ssl-cert"] = ssl_cert
+    return bencode.encode(info)
 
 
 def make_info(stream: BinaryIO, size: int, digest: str | None = None, piece_size: int | None = None,

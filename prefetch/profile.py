@@ -37,17 +37,14 @@ name that digest), and a node fetches at most `[fetch] prefetch_max_bytes` of it
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from builder.oci.base import Manifest
-from builder.oci.documents import load_document, parse_manifest
+from builder.oci.artifact import artifact_blob, push_artifact
+from builder.oci.documents import load_document
 from builder.oci.refs import DockerRef
-from builder.oci.registry import RegistryDestination, RegistrySource
-from shoal import mediatypes as mt
-from shoal.digest import check_digest, sha256_digest
+from builder.oci.registry import RegistrySource
+from shoal.digest import check_digest
 from shoal.errors import FormatError, NotFound
 
 PROFILE_MEDIA_TYPE = "application/vnd.shoal.profile.v1+json"
@@ -167,17 +164,11 @@ def fetch_profile(host: str, repository: str, manifest_digest: str, plain_http: 
         except NotFound:
             return None
         what = str(src.reference)
-        doc = parse_manifest(art.data, what)
-        blobs = [d for d in doc.layers if d.media_type == PROFILE_MEDIA_TYPE]
-        if len(blobs) != 1:
-            raise FormatError(f"{what}: not a shoal profile (no {PROFILE_MEDIA_TYPE} layer)")
-        bound = doc.annotations.get(MANIFEST_ANNOTATION)
-        if bound != manifest_digest:
-            raise FormatError(f"{what}: profile is bound to {str(bound)[:80]!r}, not {manifest_digest}")
+        blob = artifact_blob(art.data, f"{what}: profile", PROFILE_MEDIA_TYPE, MANIFEST_ANNOTATION, manifest_digest)
         if read_blob is not None:
-            data = read_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
+            data = read_blob(blob.digest, blob.size, f"{what}: profile", MAX_PROFILE_BYTES)
         else:
-            data = src.read_small_blob(blobs[0].digest, blobs[0].size, f"{what}: profile", MAX_PROFILE_BYTES)
+            data = src.read_small_blob(blob.digest, blob.size, f"{what}: profile", MAX_PROFILE_BYTES)
         return Profile.from_json(data, manifest_digest, layers)
     finally:
         src.close()
@@ -197,23 +188,5 @@ def _push_blob(host: str, repository: str, manifest_digest: str, blob: bytes, pl
     """Push `blob` as the profile of the image `manifest_digest` (not checked: push_profile
     makes the blob; the lab pushes bad ones, tests/lab/provide.py)."""
     ref = DockerRef(host, repository, tag=profile_tag(manifest_digest))
-    config = b"{}"
-    manifest = json.dumps({
-        "schemaVersion": 2,
-        "mediaType": mt.OCI_MANIFEST,
-        "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": sha256_digest(config), "size": len(config)},
-        "layers": [{"mediaType": PROFILE_MEDIA_TYPE, "digest": sha256_digest(blob), "size": len(blob)}],
-        "annotations": {MANIFEST_ANNOTATION: manifest_digest},
-    }, separators=(",", ":")).encode()
-    dest = RegistryDestination(ref, plain_http)
-    try:
-        with tempfile.TemporaryDirectory(prefix="shoal-profile-") as tmp:
-            for data in (config, blob):
-                path = os.path.join(tmp, "blob")
-                with open(path, "wb") as f:
-                    f.write(data)
-                dest.put_blob(path, sha256_digest(data), len(data))
-        dest.put_root(Manifest(manifest, mt.OCI_MANIFEST, sha256_digest(manifest)))
-    finally:
-        dest.close()
-    return str(ref)
+    return push_artifact(ref, CONFIG_MEDIA_TYPE, PROFILE_MEDIA_TYPE, blob, {MANIFEST_ANNOTATION: manifest_digest},
+                         plain_http)

@@ -9,7 +9,9 @@ seam (RegionCache.mount: a sub-application and an Extension for /-/status and
 the region filled it); a request for a blob the region does not have yet starts a fill
 through the region's own blob route (a one-byte read of its end, with the requester's
 credentials and repository, so the region's access check applies) and answers 404 +
-Retry-After meanwhile.
+Retry-After meanwhile, unless the blob's piece hashes are published beside its image
+(`shoal convert`, builder/pieces.py): read through the region's own routes with the
+requester's credentials (`pieces_through`), they make the torrent at once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from builder.oci.documents import MAX_DOCUMENT_BYTES
+from builder.pieces import MAX_PIECES_BYTES, Pieces, pieces_blob, pieces_tag
 from cache.region.backends import Backend
 from cache.region.config import RegionConfig
 from cache.region.server import RegionCache, RunningServer, serve
@@ -28,6 +32,9 @@ from cache.region.tls import NodeTokens, PeerCA, client_context
 from p2p.tracker import PREFIX
 from p2p.tracker.peers import PeerTable
 from p2p.tracker.server import SERVICE_KEY, Authorize, BackendTorrents, SwarmService, make_app
+from shoal import mediatypes as mt
+from shoal.digest import sha256_digest
+from shoal.errors import DigestMismatch, FormatError, ShoalError
 
 log = logging.getLogger("shoal.tracker")
 
@@ -95,6 +102,45 @@ async def fill_through(base_url: str | None, digest: str, request: web.Request,
             log.info("fill of %s for its torrent: HTTP %d", digest, resp.status)
 
 
+async def pieces_through(base_url: str | None, digest: str, request: web.Request,
+                         ssl_context: ssl.SSLContext | None = None) -> Pieces | None:
+    """The blob's published piece hashes (builder/pieces.py), read through the region's
+    own routes with the client's credentials and repository (the origin decides who may
+    read them; the document is cached as any blob), checked; None when none are
+    published. Raises ShoalError (or aiohttp's errors) when they cannot be read."""
+    repo = request.query.get("repo", "")
+    if not repo:
+        return None
+    ns = request.query.get("ns", "")
+    base = base_url or str(request.url.origin())
+    query = f"?ns={ns}" if ns else ""
+    headers = {"Accept": mt.OCI_MANIFEST}
+    if request.headers.get("Authorization"):
+        headers["Authorization"] = request.headers["Authorization"]
+    what = f"{repo}:{pieces_tag(digest)}"
+    timeout = aiohttp.ClientTimeout(total=60, sock_read=30)
+    ssl_arg = ssl_context if ssl_context is not None else True
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
+        async with session.get(f"{base}/v2/{repo}/manifests/{pieces_tag(digest)}{query}", headers=headers,
+                               ssl=ssl_arg) as resp:
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise ShoalError(f"{what}: HTTP {resp.status}")
+            manifest = await resp.content.read(MAX_DOCUMENT_BYTES + 1)
+        desc = pieces_blob(manifest, digest, what)
+        if desc.size > MAX_PIECES_BYTES:
+            raise FormatError(f"{what}: a document of {desc.size} bytes (at most {MAX_PIECES_BYTES})")
+        headers.pop("Accept")
+        async with session.get(f"{base}/v2/{repo}/blobs/{desc.digest}{query}", headers=headers, ssl=ssl_arg) as resp:
+            if resp.status != 200:
+                raise ShoalError(f"{what}: its document {desc.digest}: HTTP {resp.status}")
+            data = await resp.content.read(desc.size + 1)
+    if len(data) != desc.size or sha256_digest(data) != desc.digest:
+        raise DigestMismatch(f"{what}: its document does not match {desc.digest}")
+    return Pieces.from_json(data, digest, what=what)
+
+
 def swarm_app(backend: Backend, folder: str, *, piece_size: int | None = None, interval: int = 60,
               announce_url: str | None = None, self_url: str | None = None, authorize: Authorize | None = None,
               self_ssl: ssl.SSLContext | None = None, node_token: str = "",
@@ -111,6 +157,7 @@ def swarm_app(backend: Backend, folder: str, *, piece_size: int | None = None, i
     """
     torrents = BackendTorrents(folder, backend, piece_size,
                                fill=lambda digest, request: fill_through(self_url, digest, request, self_ssl),
+                               published=lambda digest, request: pieces_through(self_url, digest, request, self_ssl),
                                ssl_cert=peer_ca.pem if peer_ca is not None else b"")
     return make_app(torrents=torrents, table=PeerTable(interval=interval), announce_url=announce_url,
                     authorize=authorize, node_token=node_token, peer_ca=peer_ca, node_tokens=node_tokens)

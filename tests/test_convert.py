@@ -267,6 +267,50 @@ def test_registry_to_registry(registry, real_image, tmp_path):
     assert [ly["action"] for ly in summary["layers"]] == ["converted"] * 3
     report = json.loads(shoal("inspect", "--json", "--verify", "--plain-http", dst).stdout)
     assert report["ok"] and report["digest"] == summary["digest"]
+    # each lazy layer's piece hashes are published beside the image (a region makes the
+    # layer's torrent from them before it has the layer): they are the blob's own
+    _check_published_pieces(registry, summary)
     # a registry that is not there: one line, exit 1, quickly
     proc = shoal("convert", "--plain-http", "docker://127.0.0.1:1/x:y", f"oci:{tmp_path / 'o'}", check=False)
     assert_one_line_error(proc, "127.0.0.1:1")
+
+
+def _check_published_pieces(registry, summary: dict) -> None:
+    from builder.oci.refs import DockerRef
+    from builder.oci.registry import RegistrySource
+    from builder.pieces import PieceHasher, Pieces, pieces_blob, pieces_tag
+
+    repo = "team/train"
+    with RegistrySource(DockerRef(registry.host, repo, tag="chunked"), True) as image:
+        layers = json.loads(image.get_root().data)["layers"]
+    assert sorted(p["blob"] for p in summary["pieces"]) == sorted(ly["digest"] for ly in layers)
+    for ly in layers:
+        with RegistrySource(DockerRef(registry.host, repo, tag=pieces_tag(ly["digest"])), True) as src:
+            desc = pieces_blob(src.get_root().data, ly["digest"], "pieces")
+            published = Pieces.from_json(src.read_small_blob(desc.digest, desc.size, "pieces"), ly["digest"],
+                                         ly["size"])
+            hasher = PieceHasher(ly["size"], published.piece_length)
+            with src.open_blob(ly["digest"], ly["size"]) as blob:
+                while data := blob.read(1 << 20):
+                    hasher.update(data)
+        assert hasher.finish(ly["digest"]) == published
+        assert published.count == -(-ly["size"] // published.piece_length)
+
+
+def test_published_pieces_documents_are_checked():
+    """A published pieces document is bound to one blob and shaped: anything else is a
+    FormatError naming what is wrong (a region then waits for the whole blob)."""
+    from builder.pieces import Pieces
+    from shoal.errors import FormatError
+
+    blob = "sha256:" + "a" * 64
+    good = Pieces(blob, 600 << 10, 256 << 10, bytes(60))
+    assert Pieces.from_json(good.to_json(), blob, 600 << 10) == good
+    doc = json.loads(good.to_json())
+    for change, message in [({"blob": "sha256:" + "b" * 64}, "names blob"), ({"size": 1}, "size"),
+                            ({"piece_length": 3 << 10}, "power of two"), ({"pieces": "AAAA"}, "bytes of piece hashes"),
+                            ({"pieces": "not base64!"}, "base64"), ({"schemaVersion": 2}, "schemaVersion")]:
+        with pytest.raises(FormatError, match=message):
+            Pieces.from_json(json.dumps({**doc, **change}).encode(), blob, 600 << 10)
+    with pytest.raises(FormatError):
+        Pieces.from_json(b"[1, 2]", blob)

@@ -19,6 +19,7 @@ fails (netlab.Lab.close).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -69,15 +70,16 @@ class World:
             self.close()
             raise
         self._seed = 0
+        self.layouts: dict[str, Path] = {}  # image name -> its OCI layout
 
     def close(self) -> None:
         self.lab.close()
         shutil.rmtree(self.short, ignore_errors=True)
 
-    def image(self, sizes: dict[str, int]) -> tuple[netlab.LabImage, dict[str, str]]:
+    def image(self, sizes: dict[str, int], cold: bool = False) -> tuple[netlab.LabImage, dict[str, str]]:
         """A new one-layer image of random files (name -> size), converted to zstd:chunked,
-        pushed to the origin, its layer's torrent ready at the region; with the sha256 of
-        each file."""
+        pushed to the origin (with its layer's piece hashes), its layer's torrent ready at
+        the region (`cold`: the region has not seen it); with the sha256 of each file."""
         from builder.convert import convert
         from tests.lab.fromdir import build_image
 
@@ -92,7 +94,9 @@ class World:
             files[name] = hashlib.sha256(data).hexdigest()
         build_image([str(tree)], f"oci:{work}/plain", compression="none", workdir=str(work))
         convert(f"oci:{work}/plain", f"oci:{work}/chunked")
-        image = netlab.publish_image(self.lab, self.registry, self.region, work / "chunked", f"swarm/img{self._seed}:v1")
+        publish = netlab.push_image if cold else functools.partial(netlab.publish_image, region=self.region)
+        image = publish(self.lab, self.registry, layout=work / "chunked", name=f"swarm/img{self._seed}:v1")
+        self.layouts[image.name] = work / "chunked"
         return image, files
 
     def origin_bytes(self, digest: str) -> int:
@@ -527,3 +531,40 @@ def test_a_profile_preheat_job_sends_about_one_copy_of_the_profile_from_the_regi
     assert job["region_bytes"] <= 1.5 * target and region <= 1.5 * target
     assert peers >= 2 * target
     assert world.origin_bytes(image.layers[0]["digest"]) <= 1.05 * image.layers[0]["size"]
+
+
+def test_a_cold_layers_profile_preheat_swarms_on_its_published_piece_hashes(world, nodes):
+    """A profile job for an image the region has never seen: the job holds its layer to
+    the ranges the nodes read, so the region has no whole blob to make the torrent from;
+    `shoal convert` published the layer's piece hashes beside the image, and the region
+    makes the torrent from those at once. So the nodes take most of the profile from each
+    other and the region sends about one copy of it (a copy per node without them: fleet
+    bench scenario d); the origin serves the blob once."""
+    import sys
+
+    image, _ = world.image({"a.bin": 10 * MiB, "b.bin": 6 * MiB, "c.bin": 8 * MiB}, cold=True)
+    (layer,) = image.layers
+    code = ("import sys\nfrom tests.lab.provide import push_files_profile\n"
+            "push_files_profile(sys.argv[1], sys.argv[2], sys.argv[3], ['a.bin', 'b.bin'])\n")
+    proc = world.lab.run(world.lab.hub, [sys.executable, "-c", code, str(world.layouts[image.name]),
+                                         world.registry.host, image.repository], timeout=120, cwd=netlab.REPO_ROOT,
+                         env=netlab._env())
+    assert proc.returncode == 0, proc.stderr
+    started = nodes(4)
+    before = world.region.status(world.lab)
+    job = _preheat(world, image, [n.host.ns for n in started], "profile")
+    assert job["state"] == "ready" and job["ready_nodes"] == 4
+    target = job["nodes"][0]["target_bytes"]
+    assert 15 * MiB < target < 17 * MiB  # a.bin and b.bin
+    after = world.region.status(world.lab)
+    torrents = after["swarm"]["torrents"]
+    assert torrents["published"] > before["swarm"]["torrents"]["published"]  # from the piece hashes
+    fetched = [n.status()["fetch"] for n in started]
+    peers = sum(f["bytes_from_peers"] for f in fetched)
+    origin = world.origin_bytes(layer["digest"])
+    print(f"cold profile preheat over the swarm: 4 nodes, target {target} B per node; the region served "
+          f"{job['region_bytes']} B during the job ({job['region_bytes'] / target:.2f}x), the nodes took {peers} B "
+          f"from peers; origin {origin} B ({origin / layer['size']:.3f}x the layer)")
+    assert job["region_bytes"] <= 1.5 * target, "the region sent a copy per node: no swarm for the cold layer"
+    assert peers >= 2 * target
+    assert origin <= 1.05 * layer["size"]

@@ -509,8 +509,13 @@ class RegistryDestination(ImageDestination):
 
     def __init__(self, ref: DockerRef, plain_http: bool = False) -> None:
         self._ref = ref
+        self.plain_http = plain_http
         self._client = _Client(ref, plain_http, push=True)
         self.reference = str(ref)
+
+    @property
+    def ref(self) -> DockerRef:
+        return self._ref
 
     def has_blob(self, digest: str) -> bool:
         digest = check_digest(digest)

@@ -51,8 +51,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 from urllib.parse import unquote_to_bytes
 
+import aiohttp
 from aiohttp import web
 
+from builder.pieces import Pieces
 from cache.region.tls import NodeTokens
 from p2p import bencode, metainfo
 from p2p.tracker import PREFIX, TOKEN_HEADER
@@ -65,6 +67,7 @@ log = logging.getLogger("shoal.tracker")
 
 TORRENT_TYPE = "application/x-bittorrent"
 DEFAULT_NUMWANT = 50
+UNPUBLISHED_RETRY = 30.0  # seconds a blob without published piece hashes is not asked about again
 
 Authorize = Callable[[str, web.Request], Awaitable[None]]
 _EXPIRY_KEY = web.AppKey("swarm_expiry", asyncio.Future)
@@ -115,11 +118,24 @@ class TorrentCache:
         except FileNotFoundError:
             return None
 
-    def store(self, digest: str, info: bytes) -> None:
+    def store(self, digest: str, info: bytes, published: bool = False) -> None:
+        """Keep `info`; `published`: made from published piece hashes, not from the blob
+        (a marker beside it until the blob has been checked against them)."""
+        marker = self.path(digest) + ".published"
+        if published:
+            with open(marker, "wb"):
+                pass
         tmp = f"{self.path(digest)}.{os.getpid()}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(info)
         os.replace(tmp, self.path(digest))
+        if not published:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+
+    def unchecked(self, digest: str) -> bool:
+        """The kept info dict came from published piece hashes not checked against the blob yet."""
+        return os.path.exists(self.path(digest) + ".published")
 
     async def get(self, digest: str, make: Callable[[], bytes]) -> bytes:
         """The cached info dict, or make() it (in a thread; one run per digest)."""
@@ -186,33 +202,100 @@ class BackendTorrents:
     size, stream). `fill(digest, request)`, if given, is started when the backend does
     not have the blob: it should bring the blob in through the region's read-through
     path (with the request's credentials and its repo/ns parameters); meanwhile the
-    answer is 404 with Retry-After."""
+    answer is 404 with Retry-After, unless `published(digest, request)` finds the
+    blob's piece hashes published beside its image (builder/pieces.py, with the
+    request's credentials): then the info dict is made from them at once, so the nodes
+    have a swarm for a blob the region has not filled (a profile preheat holds a cold
+    blob to the ranges its nodes read). Once the backend has the blob, such an info
+    dict is checked against it (the next time it is asked for) and replaced, logged,
+    if the published hashes lied."""
 
     def __init__(self, folder: str | os.PathLike, backend, piece_size: int | None = None,
                  fill: Callable[[str, web.Request], Awaitable[object]] | None = None, retry_after: int = 2,
-                 ssl_cert: bytes = b"") -> None:
+                 ssl_cert: bytes = b"",
+                 published: Callable[[str, web.Request], Awaitable[Pieces | None]] | None = None) -> None:
         self.cache = TorrentCache(folder, piece_size, ssl_cert=ssl_cert)
         self.backend = backend
         self._fill = fill
         self._fills: dict[str, asyncio.Task] = {}
+        self._published = published
+        self._asking: dict[str, asyncio.Future] = {}
+        self._unpublished: dict[str, float] = {}  # digest -> until when it is not asked again
+        self._checking: set[str] = set()
         self.retry_after = retry_after
+        self.cache.stats.update(published=0, published_missing=0, published_lied=0)
 
     async def info(self, digest: str, request: web.Request) -> bytes | None:
         info = self.cache.load(digest)
-        if info is not None:
-            return info
         loop = asyncio.get_running_loop()
+        if info is not None:
+            if self.cache.unchecked(digest) and digest not in self._checking \
+                    and await loop.run_in_executor(None, self.backend.contains, digest):
+                self._checking.add(digest)
+                check = loop.run_in_executor(self.cache._pool, self._check_published, digest, info)
+                check.add_done_callback(lambda _: self._checking.discard(digest))
+            return info
         if not await loop.run_in_executor(None, self.backend.contains, digest):
             if self._fill is not None and digest not in self._fills:
                 task = asyncio.ensure_future(self._fill(digest, request))
                 self._fills[digest] = task
                 task.add_done_callback(lambda t: (self._fills.pop(digest, None), t.cancelled() or t.exception()))
-            return None
+            return await self._from_published(digest, request)
         return await self.cache.get(digest, lambda: self._make(digest))
 
-    def _make(self, digest: str) -> bytes:
+    async def _from_published(self, digest: str, request: web.Request) -> bytes | None:
+        """The info dict from the blob's published piece hashes (kept), or None: none
+        published (not asked again for UNPUBLISHED_RETRY seconds), or unreadable (logged)."""
+        if self._published is None or time.monotonic() < self._unpublished.get(digest, 0.0):
+            return None
+        fut = self._asking.get(digest)
+        if fut is None:
+            fut = self._asking[digest] = asyncio.ensure_future(self._read_published(digest, request))
+            fut.add_done_callback(lambda _: self._asking.pop(digest, None))
+        return await asyncio.shield(fut)
+
+    async def _read_published(self, digest: str, request: web.Request) -> bytes | None:
+        assert self._published is not None
+        try:
+            pieces = await self._published(digest, request)
+            info = None if pieces is None else metainfo.info_from_pieces(pieces, self.cache.ssl_cert)
+            if info is not None:
+                metainfo.parse_info(info, digest)
+        except (ShoalError, OSError, TimeoutError, aiohttp.ClientError) as e:
+            log.warning("published piece hashes of %s unusable (its torrent waits for the whole blob): %s", digest,
+                        str(e) or type(e).__name__)
+            pieces = info = None
+        if info is None:
+            self.cache.stats["published_missing"] += 1
+            if len(self._unpublished) > 65536:
+                self._unpublished.clear()
+            self._unpublished[digest] = time.monotonic() + UNPUBLISHED_RETRY
+            return None
+        assert pieces is not None
+        self.cache.store(digest, info, published=True)
+        self.cache.stats["published"] += 1
+        log.info("torrent of %s made from its published piece hashes (%d pieces of %d KiB)", digest, pieces.count,
+                 pieces.piece_length >> 10)
+        return info
+
+    def _check_published(self, digest: str, info: bytes) -> None:
+        """Hash the blob the backend has now with the published piece length; keep the info
+        dict if it matches, else replace it by the one made from the blob (logged)."""
+        try:
+            plen = metainfo.parse_info(info, digest).piece_length
+            made = self._make(digest, plen)
+        except (ShoalError, OSError, ValueError) as e:
+            log.warning("torrent of %s: cannot check its published piece hashes against the blob: %s", digest, e)
+            return
+        if made != info:
+            self.cache.stats["published_lied"] += 1
+            log.error("torrent of %s: the published piece hashes do not match the blob; replaced by the blob's own "
+                      "(nodes that took the old one have no swarm for it)", digest)
+        self.cache.store(digest, made)
+
+    def _make(self, digest: str, piece_size: int | None = None) -> bytes:
         size = self.backend.size(digest)
-        builder = metainfo.InfoBuilder(size, self.cache.piece_size)
+        builder = metainfo.InfoBuilder(size, piece_size or self.cache.piece_size)
         stream = self.backend.stream(digest, 0, size)
         try:
             for block in stream:

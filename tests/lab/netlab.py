@@ -517,13 +517,32 @@ class LabImage:
 
 def publish_image(lab: Lab, registry: LabRegistry, region: LabRegion, layout: Path, name: str,
                   timeout: float = 120, authorization: str = "") -> LabImage:
-    """push_image, then wait until the region serves the torrent of every layer (which
-    also fills the layers into the region)."""
+    """push_image, then wait until the region serves the torrent of every layer and holds
+    the layer (the torrent may come from the layer's published piece hashes first)."""
     image = push_image(lab, registry, layout, name)
     for layer in image.layers:
         image.torrents[layer["digest"]] = wait_torrent(lab, region, registry, image.repository, layer["digest"],
                                                        timeout, authorization)
+        fill_region(lab, region, registry, image.repository, layer["digest"], timeout, authorization)
     return image
+
+
+def fill_region(lab: Lab, region: LabRegion, registry: LabRegistry, repository: str, digest: str,
+                timeout: float = 120, authorization: str = "") -> None:
+    """Read the whole blob through the region, then wait until its fill is committed (the
+    region's status lists it as filling no more)."""
+    code = _GET + ("import time\n"
+                   "r=get(sys.argv[3])\n"
+                   "while r.read(1 << 20): pass\n"
+                   "end=time.monotonic()+float(sys.argv[6])\n"
+                   "while sys.argv[5] in json.loads(get(sys.argv[4]).read()).get('filling', {}):\n"
+                   "    if time.monotonic() > end: raise SystemExit('the fill of ' + sys.argv[5] + ' never ended')\n"
+                   "    time.sleep(0.1)\n")
+    url = f"{region.url}/v2/{repository}/blobs/{digest}?ns={registry.host}"
+    proc = lab.run(lab.hub, [sys.executable, "-c", code, region.ca, _headers(region.token, authorization), url,
+                             f"{region.url}/-/status", digest, str(timeout)], timeout=timeout + 60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the region did not fill {digest}: {proc.stderr[-1000:]}")
 
 
 def push_image(lab: Lab, registry: LabRegistry, layout: Path, name: str) -> LabImage:

@@ -25,3 +25,21 @@ def push_profile_bytes(host: str, repository: str, manifest_digest: str, blob: b
     """Push `blob` as the profile of the image `manifest_digest`, unchecked (tests push bad
     ones; prefetch.profile.push_profile makes good ones); the reference it was pushed as."""
     return profile._push_blob(host, repository, manifest_digest, blob, plain_http)
+
+
+def push_files_profile(layout: str, host: str, repository: str, names: list[str], plain_http: bool = True) -> str:
+    """Publish, as the access profile of the one-layer image in OCI layout `layout` (pushed
+    as HOST/REPOSITORY), the chunks of its files `names`, in that order: what a recording
+    that read them would publish, with no node reading anything (the region stays cold)."""
+    import json
+
+    from builder.inspect import read_toc
+    from builder.oci.refs import open_source
+
+    with open_source(f"oci:{layout}") as src:
+        root = src.get_root()
+        (layer,) = json.loads(root.data)["layers"]
+        _, toc = read_toc(src, layer, "layer")
+    by_name = {e.name.lstrip("./"): e for e in toc.files()}
+    chunks = [(layer["digest"], c.start, c.end) for name in names for c in by_name[name].chunks]
+    return profile.push_profile(host, repository, profile.Profile(root.digest, chunks), [layer["digest"]], plain_http)
