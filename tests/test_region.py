@@ -785,6 +785,47 @@ def test_shoal_region_serves_torrent_metadata_only_to_allowed_clients(basic_regi
         proc.stdout.close()
 
 
+def test_a_torrent_from_published_piece_hashes_comes_at_once_and_is_replaced_if_they_lie(registry, tmp_path):
+    """A blob the region does not hold, whose piece hashes are published beside it
+    (builder/pieces.py): its torrent comes at once, made from them (no 404 while a fill
+    runs). These lie; once the region holds the blob, the next request checks them against
+    it, and the torrent is replaced by the blob's own (an ERROR line names the blob)."""
+    from builder.pieces import PieceHasher, Pieces, push_pieces
+    from p2p.metainfo import parse_torrent
+    from tests.services import start_region
+
+    data = random.Random(21).randbytes(3 << 20)
+    digest = push_blob(registry, "team/pieces", data, tmp_path)
+    lying = Pieces(digest, len(data), 256 << 10, bytes(20 * 12))
+    push_pieces(registry.host, "team/pieces", lying, plain_http=True)
+    honest = PieceHasher(len(data), 256 << 10)
+    honest.update(data)
+    proc, url, ca = start_region(registry.url, tmp_path / "store", tmp_path / "region.log")
+    try:
+        node = {"X-Shoal-Node-Token": (tmp_path / "store" / "tls" / "node-token").read_text().strip()}
+        torrent = f"{url}/p2p/v1/torrents/{digest}?repo=team/pieces"
+
+        def pieces() -> bytes:
+            r = requests.get(torrent, headers=node, timeout=30, verify=ca)
+            assert r.status_code == 200, (r.status_code, r.text)
+            return parse_torrent(r.content, digest, len(data))[0].hashes
+
+        assert pieces() == lying.hashes  # at once: the published ones
+        blob = requests.get(f"{url}/v2/team/pieces/blobs/{digest}", timeout=30, verify=ca)
+        assert blob.content == data
+        deadline = time.monotonic() + 60
+        while pieces() != honest.finish(digest).hashes:  # each request after the fill may check them
+            assert time.monotonic() < deadline, "the lying piece hashes were never replaced"
+            time.sleep(0.2)
+        status = requests.get(f"{url}/-/status", timeout=10, verify=ca).json()
+        assert status["swarm"]["torrents"]["published"] == 1 and status["swarm"]["torrents"]["published_lied"] == 1
+        log = (tmp_path / "region.log").read_text()
+        assert any("ERROR" in line and digest in line and "do not match" in line for line in log.splitlines())
+    finally:
+        stop_process(proc)
+        proc.stdout.close()
+
+
 class _BlobOrigin:
     """An origin with one blob (enough of the registry API for the region), whose answers
     a subclass shapes: answer(first, body) sends the body of a GET from byte `first`
