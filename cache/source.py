@@ -55,6 +55,11 @@ Contract for every Source:
   has them wait for its fill of the blob instead of fetching them from the origin ahead
   of it (the fill would read those bytes again: cache/region/server.py). Other sources
   ignore it.
+- TARGET (a context variable, default None): with BACKGROUND, what the whole warm-up the
+  read belongs to will read, {blob digest: sorted disjoint (start, end) ranges}: the
+  swarm source passes on a read of pieces nobody has that this target fills sparsely
+  (p2p/ondemand.py), so that the region sends only the ranges asked. Other sources
+  ignore it.
 
 What the chain raises (read_ranges with a check, as the loader calls it):
 - TransportError naming every source's failure when no source served any range that
@@ -99,6 +104,8 @@ from shoal.errors import FormatError, NotFound, ShoalError, TransportError
 
 PATIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_patient_reads", default=False)  # (module doc)
 BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_background_reads", default=False)  # (module doc)
+Target = dict[str, list[tuple[int, int]]]
+TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar("shoal_read_target", default=None)  # (module doc)
 
 log = logging.getLogger("shoal.fetch")
 

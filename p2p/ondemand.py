@@ -11,6 +11,13 @@ first waits for pieces nobody has yet: until a peer has them all, or `peer_wait`
 seconds pass without a peer getting one more of them, or PATIENT_MAX in all (an owner
 that is down costs that once per read; counted as patient_timeouts); then it plans as
 above.
+A background read (a preheat's warm-up) of pieces nobody has, that its warm-up's whole
+target (cache.source.TARGET) fills to less than SPARSE, is passed on (NotHere, counted as
+sparse_reads_passed): the chain's next source sends exactly the ranges asked. Fetched
+whole, such pieces would cost the origin the bytes around the ranges that nobody will ask
+(a profile preheat's region holds the blob to the ranges asked: the origin serves exactly
+those); passed on, each node that needs them takes them from the region (coalesced there:
+one origin copy). A full warm-up's target is the whole layer: nothing is passed on.
 A piece asked of peers that has not come within `peer_wait` seconds is fetched from the
 fallback too (libtorrent re-plans deadlines only about once a second, and a peer may be
 slow or gone). A complete torrent's reads are pread()s of its file, with no call on the
@@ -25,6 +32,7 @@ owner settles when libtorrent's read_piece and piece_finished alerts come in.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -35,7 +43,7 @@ from typing import Protocol
 
 import libtorrent as lt
 
-from cache.source import PATIENT, BlobRef, Held, NotHere, Source
+from cache.source import PATIENT, TARGET, BlobRef, Held, NotHere, Source
 from p2p.config import SwarmConfig
 from p2p.fallback import Fallback
 from p2p.metainfo import slice_pieces
@@ -45,6 +53,7 @@ from shoal.errors import ShoalError, TransportError
 _RECENT = 512  # latency samples kept for statistics()
 PATIENT_POLL = 0.05  # seconds between two looks of a patient read at what its peers have
 PATIENT_MAX = 5.0  # seconds a patient read waits in all, at most (well within the chain's read deadline)
+SPARSE = 0.9  # pieces nobody has that a warm-up's target fills less than this: the read is passed on (module doc)
 
 Plan = tuple[dict[int, Future], dict[int, Future], list[int]]  # (read locally, asked of peers, from the fallback)
 
@@ -79,6 +88,9 @@ class OnDemand:
             t.settled.wait(self.config.settle_wait)
         if PATIENT.get():
             self._wait_for_peers(t, pieces)
+        target = TARGET.get()
+        if target is not None and target.get(blob.digest):
+            self._pass_sparse(t, pieces, target[blob.digest])
         start = time.monotonic()
         local, asked, fetch = self.session.call(lambda: self._plan(t, pieces)).result(30)
         got: dict[int, bytes] = {}
@@ -108,7 +120,7 @@ class OnDemand:
         fewest = len(pieces) + 1  # (it must fall for the wait to go on)
         since = first = time.monotonic()
         while True:
-            left = self.session.call(lambda: self._nobody_has(t, pieces)).result(30)
+            left = len(self.session.call(lambda: self._nobody_has(t, pieces)).result(30))
             if not left:
                 return
             now = time.monotonic()
@@ -119,10 +131,24 @@ class OnDemand:
                 return
             time.sleep(PATIENT_POLL)
 
-    def _nobody_has(self, t: Torrent, pieces: list[int]) -> int:
-        """Owner thread: how many of `pieces` no one has (neither here, nor in flight, nor at a peer)."""
+    def _pass_sparse(self, t: Torrent, pieces: list[int], target: list[tuple[int, int]]) -> None:
+        """NotHere for a read of pieces nobody has that the warm-up's `target` (sorted
+        disjoint ranges of the blob) fills to less than SPARSE (the module doc)."""
+        new = self.session.call(lambda: self._nobody_has(t, pieces)).result(30)
+        if not new:
+            return
+        spans = [t.meta.piece_span(p) for p in new]
+        total = sum(e - s for s, e in spans)
+        wanted = sum(covered(target, s, e) for s, e in spans)
+        if wanted < SPARSE * total:
+            self.session.count(sparse_reads_passed=1)
+            raise NotHere(f"{t.meta.digest}: {len(new)} pieces nobody has, {wanted} of their {total} bytes in the "
+                          f"warm-up's target: passed on to be read as asked")
+
+    def _nobody_has(self, t: Torrent, pieces: list[int]) -> list[int]:
+        """Owner thread: those of `pieces` no one has (neither here, nor in flight, nor at a peer)."""
         availability = t.handle.piece_availability()
-        return sum(1 for p in pieces if not t.have[p] and p not in t.inflight and availability[p] <= 0)
+        return [p for p in pieces if not t.have[p] and p not in t.inflight and availability[p] <= 0]
 
     def _plan(self, t: Torrent, pieces: list[int]) -> Plan:
         """Owner thread: split pieces into: read locally, ask peers (deadline), fetch from
@@ -186,6 +212,17 @@ class OnDemand:
             return {}
         return {"peer_wait_p50_ms": round(waits[len(waits) // 2] * 1000, 1),
                 "peer_wait_p99_ms": round(waits[min(len(waits) - 1, int(len(waits) * 0.99))] * 1000, 1)}
+
+
+def covered(ranges: list[tuple[int, int]], start: int, end: int) -> int:
+    """How many bytes of [start, end) the sorted disjoint `ranges` cover."""
+    i = max(0, bisect.bisect_right(ranges, (start, start)) - 1)
+    n = 0
+    while i < len(ranges) and ranges[i][0] < end:
+        a, b = ranges[i]
+        n += max(0, min(b, end) - max(a, start))
+        i += 1
+    return n
 
 
 class SwarmReads(Protocol):

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from builder.format.toc import Chunk
-from cache.source import BACKGROUND, PATIENT
+from cache.origin import merge_ranges
+from cache.source import BACKGROUND, PATIENT, TARGET, Target
 from prefetch.profile import Profile, ReadBlob, fetch_profile
 from shoal.errors import ShoalError
 
@@ -117,6 +118,15 @@ def rotation(entries: Iterable, part: tuple[int, int]) -> list[tuple[int, list]]
     return own + [(k % of, e) for k in range(rank + 1, rank + of) for e in reversed(parts[k % of])]
 
 
+def target_of(entries: Iterable) -> Target:
+    """The valid profile entries as {layer digest: sorted disjoint (start, end) ranges}."""
+    by_layer: dict[str, list[tuple[int, int]]] = {}
+    for e in entries:
+        if _entry_ok(e) and e[2] > e[1]:
+            by_layer.setdefault(e[0], []).append((e[1], e[2]))
+    return {digest: merge_ranges(ranges, gap=0) for digest, ranges in by_layer.items()}
+
+
 class Warmup:
     """Profile-ordered prefetch over the loaded layers (`loaded()`, by layer digest)."""
 
@@ -124,25 +134,30 @@ class Warmup:
         self._loaded = loaded
         self._lock = threading.Lock()  # the jobs' figures (jobs end on the pool's threads)
         self._pool: ThreadPoolExecutor | None = None
-        self._waiting: dict[str, tuple[list[tuple[int, list]], bool]] = {}  # layer digest ->
-        # ([(part, profile entry)], background)
+        self._waiting: dict[str, tuple[list[tuple[int, list]], Target | None]] = {}  # layer digest ->
+        # ([(part, profile entry)], the warm-up's target or None: not a background one)
         self.queued = 0
         self._jobs = 0  # queued or running
         self._since = 0.0
         self._done = 0
 
-    def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1), background: bool = False) -> int:
+    def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1), background: bool = False,
+                 sparse: Iterable[str] = ()) -> int:
         """Fetch the chunks of `entries` in that order (node part[0] of a job's part[1]:
         rotated, see the module doc), in jobs of one layer's chunks of one part
         (PREFETCH_FIRST compressed bytes, then twice as many each, up to PREFETCH_BATCH),
         on PREFETCH_THREADS threads. Entries of a layer not loaded yet wait for it (the
         node sends the profile while containerd still prepares the image's layers).
         `background`: nobody waits on these chunks now (a preheat's warm-up, not a start's
-        profile): their reads are cache.source.BACKGROUND. Returns the number of chunks
-        queued now."""
-        return self._queue(rotation(entries, part), background)
+        profile): their reads are cache.source.BACKGROUND, with the entries of the `sparse`
+        layers (those the region holds to the ranges asked) as their cache.source.TARGET.
+        Returns the number of chunks queued now."""
+        entries = list(entries)
+        held = set(sparse)
+        target = target_of(e for e in entries if _entry_ok(e) and e[0] in held) if background else None
+        return self._queue(rotation(entries, part), target)
 
-    def _queue(self, entries: list[tuple[int, list]], background: bool) -> int:
+    def _queue(self, entries: list[tuple[int, list]], target: Target | None) -> int:
         loaded = self._loaded()
         jobs: list[list] = []
         queued = 0
@@ -171,7 +186,7 @@ class Warmup:
             last_part = number
             queued += 1
         # a newer profile of a layer replaces an older one
-        self._waiting.update({d: (w, background) for d, w in waiting.items()})
+        self._waiting.update({d: (w, target) for d, w in waiting.items()})
         if not jobs:
             return 0
         if self._pool is None:
@@ -188,14 +203,14 @@ class Warmup:
                 stages.append([job])
         if len(stages) == 1:
             for loader, chunks, _, _ in jobs:
-                self._pool.submit(self._job, loader, chunks, False, background)
+                self._pool.submit(self._job, loader, chunks, False, target)
         else:  # a job's parts one after the other (module doc): a thread of its own waits for each
-            threading.Thread(target=self._stages, args=(stages, own, background), name="shoal-prefetch-parts",
+            threading.Thread(target=self._stages, args=(stages, own, target), name="shoal-prefetch-parts",
                              daemon=True).start()
         self.queued += queued
         return queued
 
-    def _stages(self, stages: list[list[list]], own: int, background: bool) -> None:
+    def _stages(self, stages: list[list[list]], own: int, target: Target | None) -> None:
         """The jobs of each part on the pool, a part's once the part before it is done:
         its next part is another node's own, which that node fetches meanwhile (were the
         pool's threads to start it while this node's own part is half done, the peer
@@ -204,7 +219,7 @@ class Warmup:
         assert pool is not None
         for stage in stages:
             try:
-                futures = [pool.submit(self._job, loader, chunks, number != own, background)
+                futures = [pool.submit(self._job, loader, chunks, number != own, target)
                            for loader, chunks, _, number in stage]
             except RuntimeError:  # the pool was shut down: the process is ending
                 return
@@ -213,26 +228,28 @@ class Warmup:
 
     def layer_loaded(self, digest: str) -> int:
         """The layer `digest` is loaded now: queue the entries waiting for it (logged)."""
-        waiting, background = self._waiting.pop(digest, ([], False))
+        waiting, target = self._waiting.pop(digest, ([], None))
         if not waiting:
             return 0
-        queued = self._queue(waiting, background)
+        queued = self._queue(waiting, target)
         log.info("prefetching %d chunks of layer %s", queued, digest)
         return queued
 
-    def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False, background: bool = False) -> None:
+    def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False,
+             target: Target | None = None) -> None:
         """One job, on a pool thread; `patient`: of another node's part (its reads may wait
-        a little for the peer that fetches it first: cache.source.PATIENT); `background`:
-        cache.source.BACKGROUND."""
+        a little for the peer that fetches it first: cache.source.PATIENT); `target`: of a
+        background warm-up, its whole target (cache.source.BACKGROUND and TARGET)."""
         done = 0
-        token, quiet = PATIENT.set(patient), BACKGROUND.set(background)
+        tokens = PATIENT.set(patient), BACKGROUND.set(target is not None), TARGET.set(target)
         try:
             done = loader.prefetch(chunks)
         except Exception:
             log.exception("prefetch of %d chunks of %s failed", len(chunks), loader.layer)
         finally:
-            BACKGROUND.reset(quiet)
-            PATIENT.reset(token)
+            TARGET.reset(tokens[2])
+            BACKGROUND.reset(tokens[1])
+            PATIENT.reset(tokens[0])
         with self._lock:
             self._jobs -= 1
             self._done += done

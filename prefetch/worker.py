@@ -33,6 +33,7 @@ from cache.region.client import RegionLink
 from cache.region.tls import TOKEN_HEADER
 from prefetch.client import PREFIX
 from prefetch.warmup import check_part
+from shoal.digest import is_digest
 from shoal.errors import ShoalError
 
 log = logging.getLogger("shoal.preheat")
@@ -50,6 +51,8 @@ class Assignment:
     timeout_s: float  # seconds left of the job
     part: tuple[int, int] = (0, 1)  # this node's rank of the job's nodes, and their number (a region
     # before parts sends none: 0 of 1); the warm-up fetches that part of its target first
+    held: tuple[str, ...] = ()  # layers the region holds to the ranges its nodes read (not filled:
+    # a profile job's cold layers): the warm-up reads what its target fills sparsely as asked
 
 
 @dataclass
@@ -143,7 +146,7 @@ class PreheatWorker:
         for item in doc.get("jobs") or []:
             try:
                 a = Assignment(str(item["id"]), str(item["image"]), str(item["manifest"]), str(item["mode"]),
-                               float(item["timeout_s"]), _part(item.get("part")))
+                               float(item["timeout_s"]), _part(item.get("part")), _held(item.get("held")))
             except (KeyError, TypeError, ValueError):
                 log.warning("preheat: region %s sent an assignment without its fields: %.200r", self.link.url, item)
                 continue
@@ -215,6 +218,16 @@ def _part(value: object) -> tuple[int, int]:
     except ValueError as e:
         log.warning("preheat: the region sent a bad part (%s): warming the whole target in order", e)
         return 0, 1
+
+
+def _held(value: object) -> tuple[str, ...]:
+    """The assignment's held layers (digests); anything else is none (logged)."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and len(value) <= 4096 and all(isinstance(v, str) and is_digest(v) for v in value):
+        return tuple(value)
+    log.warning("preheat: the region sent a bad list of held layers: %.200r", value)
+    return ()
 
 
 def _reason(resp: requests.Response) -> str:

@@ -27,6 +27,10 @@ The nodes (prefetch/worker.py), with the region's node token (cache.region.tls.T
   fetches that part of its target first (prefetch/warmup.py), so that the nodes fetch
   different parts from the region at first and the rest from each other through the
   swarm (a node not up then gets [0, 1]: all in order; a node before parts ignores it);
+  `"held": [DIGEST...]`: the layers of a profile job the region did not hold whole when
+  the job was made, which it holds to the ranges the nodes ask: the node reads the parts
+  of its target that fill pieces sparsely as asked, not as whole pieces through the
+  swarm (p2p/ondemand.py), so the origin serves the ranges asked and no more;
 - `POST /nodes/NAME/reports` `{"job", "state": "warming"|"warm"|"failed"|"timeout",
   "warm_bytes", "target_bytes", "error", "peer_bytes"?}`: what the node measured (its
   layer file system's warmth op; peer_bytes, in its final report: the blob bytes its
@@ -149,6 +153,7 @@ class Job:
     origin_bytes: int = 0
     region_bytes: int = 0
     held: list[str] = field(default_factory=list)  # blobs the region fills by ranges only while it runs
+    cold: list[str] = field(default_factory=list)  # of them, those it did not hold whole when the job was made
 
     @property
     def needed(self) -> int:
@@ -460,12 +465,13 @@ class PreheatService:
         if want["mode"] == "profile":  # the origin serves the ranges the nodes read, not whole blobs
             held = await self._layers(want["repository"], data, want["image"], request.headers.get("Authorization"))
             self.cache.hold_fills(held, want["timeout_s"] + HOLD_MARGIN)
+        cold = [d for d in held if not await self.cache._run(self.cache._stored, d)]
         self._forget_old()
         origin, served = self._origin_counters()
         job = Job(secrets.token_hex(8), want["image"], manifest, want["mode"], want["timeout_s"],
                   want["ready_fraction"], _job_nodes(want["nodes"], self._up()),
                   time.monotonic(), time.time(),
-                  origin, served, held=held)
+                  origin, served, held=held, cold=cold)
         self.jobs[job.id] = job
         self.counts["jobs_created"] += 1
         for name in job.nodes:
@@ -545,7 +551,7 @@ class PreheatService:
             jn.delivered = True
             out.append({"id": job.id, "image": job.image, "manifest": job.manifest, "mode": job.mode,
                         "timeout_s": max(1.0, job.timeout_s - (now - job.created)),
-                        "part": list(jn.part)})
+                        "part": list(jn.part), "held": job.cold})
         return out
 
     async def _work(self, request: web.Request) -> web.Response:

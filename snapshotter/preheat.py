@@ -47,7 +47,7 @@ def node_runner(root: str, fetch: dict) -> Run:
         _, plain, manifest, descriptors = resolve_image(f"{named.host}/{named.repository}@{a.manifest}",
                                                         named.host in plain_hosts)
         job = LocalPrefetch(a.image, BlobRef(named.host, named.repository, manifest, None, plain), manifest,
-                            descriptors, root, a.mode, fetch, a.part)
+                            descriptors, root, a.mode, fetch, a.part, a.held)
 
         def measured(w) -> None:
             if not progress(Report("warming", w.warm_bytes, w.target_bytes)):

@@ -159,7 +159,8 @@ class RemoteLayers:
         self._warm_pool.submit(self._warm_layers, blob, manifest_digest, image)
 
     def _warm_layers(self, blob: BlobRef, manifest_digest: str, image: str,
-                     part: tuple[int, int] = (0, 1), background: bool = False) -> Profile | None:
+                     part: tuple[int, int] = (0, 1), background: bool = False,
+                     sparse: tuple[str, ...] = ()) -> Profile | None:
         """Load the TOCs of the image's lazy layers other than `blob` (on the warm-up
         pool) and hand its access profile to the layer fs (`part`: a preheat job's node
         I of N, FSClient.prefetch: then once the loads are done, on warm_image's own
@@ -182,10 +183,11 @@ class RemoteLayers:
             self._warm_pool.submit(self._warm_layer, other, desc, image)
         if part[1] > 1:  # a preheat job's part: the rotation spans every layer, so they load first
             self._warm_pool.shutdown(wait=True)
-        return self._prefetch_profile(blob, manifest_digest, image, layers, part, background)
+        return self._prefetch_profile(blob, manifest_digest, image, layers, part, background, sparse)
 
     def _prefetch_profile(self, blob: BlobRef, manifest_digest: str, image: str, layers: list,
-                          part: tuple[int, int] = (0, 1), background: bool = False) -> Profile | None:
+                          part: tuple[int, int] = (0, 1), background: bool = False,
+                          sparse: tuple[str, ...] = ()) -> Profile | None:
         """If the image has a published access profile (prefetch/profile.py), hand it to
         the layer file system, which fetches its chunks in its order as each layer is
         loaded: while containerd still prepares the layers, before the container's
@@ -202,7 +204,7 @@ class RemoteLayers:
             return None
         try:
             self.fs.ensure_running()
-            queued = self.fs.prefetch(profile.chunks, part=part, background=background)
+            queued = self.fs.prefetch(profile.chunks, part=part, background=background, sparse=sparse)
         except (ShoalError, OSError) as e:
             log.warning("%s: prefetch of its access profile: %s", image, e)
             return None
@@ -213,12 +215,12 @@ class RemoteLayers:
         return profile
 
     def warm_image(self, blob: BlobRef, manifest_digest: str, image: str,
-                   part: tuple[int, int] = (0, 1)) -> Profile | None:
+                   part: tuple[int, int] = (0, 1), sparse: tuple[str, ...] = ()) -> Profile | None:
         """Load the TOCs of the image's lazy layers (all of them, unless `blob` is one) and
         hand its access profile to the layer fs, waiting for the loads: `shoal prefetch
         --root` (snapshotter/warm.py); `part`: node I of a preheat job's N fetches its own
         part of the profile first (prefetch/warmup.py). This RemoteLayers warms nothing after."""
-        profile = self._warm_layers(blob, manifest_digest, image, part, background=True)
+        profile = self._warm_layers(blob, manifest_digest, image, part, background=True, sparse=sparse)
         self._warm_pool.shutdown(wait=True)
         return profile
 

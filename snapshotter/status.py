@@ -116,6 +116,8 @@ def fetch_figures(data_path: dict, node: dict | None = None) -> dict:
         "torrents": len(swarm.get("torrents") or []),
         "hash_failures": swarm.get("hash_failures", 0),
         "peers_banned": swarm.get("peers_banned", 0),
+        # background reads (a preheat's) sparse over the pieces nobody had: read as asked from the region
+        "sparse_reads_passed": swarm.get("sparse_reads_passed", 0),
         "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
                             if "verify_failures" in st},
         "hangs": {name: st.get("hangs", 0) for name, st in sources.items() if "hangs" in st},

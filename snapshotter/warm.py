@@ -59,6 +59,7 @@ class LocalPrefetch:
     mode: str = "profile"
     config: dict = field(default_factory=dict)  # the node's [fetch] table, as a dict
     part: tuple[int, int] = (0, 1)  # node I of a region preheat job's N: its own part first (prefetch/warmup.py)
+    held: tuple[str, ...] = ()  # layers the region holds to the ranges asked (FSClient.prefetch `sparse`)
 
     def __post_init__(self) -> None:
         self.fs = FSClient(self.root, self.config)
@@ -79,12 +80,12 @@ class LocalPrefetch:
     def start(self) -> None:
         """Load the lazy layers' TOCs (waits for them) and hand the chunks to fetch to
         the layer file system (which fetches them on its own threads)."""
-        self.profile = self.remote.warm_image(self.blob, self.manifest, self.image, self.part)
+        self.profile = self.remote.warm_image(self.blob, self.manifest, self.image, self.part, self.held)
         if self.mode == "profile":
             self._chunks = [list(c) for c in self.profile.chunks] if self.profile else []
         else:
             self._whole = self.lazy
-            self.fs.prefetch(whole=self._whole, part=self.part, background=True)
+            self.fs.prefetch(whole=self._whole, part=self.part, background=True, sparse=self.held)
 
     def measure(self) -> Warmth:
         reply = self.fs.warmth(self._chunks, self._whole)
@@ -124,7 +125,7 @@ class LocalPrefetch:
                 best = max(best, w.warm_bytes)
                 if stalled >= STALLED_ROUNDS:
                     return "failed", w, self.missing(w) + f" (fetches fail: see {self.root}/logs/fs.log)"
-                self.fs.prefetch(self._chunks, self._whole, self.part, background=True)
+                self.fs.prefetch(self._chunks, self._whole, self.part, background=True, sparse=self.held)
             time.sleep(POLL_S)
 
     def peer_bytes(self) -> int | None:

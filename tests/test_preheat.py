@@ -124,8 +124,9 @@ def test_full_and_profile_jobs_are_ready_at_one_origin_copy_and_starts_read_noth
     assert target <= origin <= 1.05 * target  # one copy for both nodes
     assert 0 < job["origin_bytes"] <= 1.05 * size
     # region egress: each node took its copy from the region (no swarm here), TOCs included
+    # (what a node's TOC read shares with its chunk reads, the region serves once)
     print(f"full job: region served {job['region_bytes']} B to 2 nodes")
-    assert 2 * target <= job["region_bytes"] <= 2 * 1.05 * size
+    assert 2 * 0.99 * target <= job["region_bytes"] <= 2 * 1.05 * size
     # the nodes say so too: shoal status per image and the metric per image digest
     status = json.loads(shoal("status", "--root", str(nodes["n1"][0].root), "--json").stdout)
     (im,) = [i for i in status["images"] if i["manifest"] == job["manifest"]]

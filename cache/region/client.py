@@ -170,7 +170,9 @@ class RegionSource(Source):
             raise NotHere(f"region cache {self.url} is down (retrying later)")
         if not ranges:
             return []
-        spans = merge_ranges(ranges)
+        # a background read (a preheat's) bridges no gaps: a region that holds the blob to
+        # the ranges asked would fetch them from the origin
+        spans = merge_ranges(ranges, gap=0) if BACKGROUND.get() else merge_ranges(ranges)
         datas = [self._read_span(blob, a, b) for a, b in spans]
         return slice_spans(spans, datas, ranges)
 

@@ -192,18 +192,23 @@ class FSClient:
         return self._call("profile", layers=layers)["chunks"]
 
     def prefetch(self, chunks: list | None = None, whole: list[str] | None = None,
-                 part: tuple[int, int] = (0, 1), background: bool = False) -> int:
+                 part: tuple[int, int] = (0, 1), background: bool = False, sparse: tuple[str, ...] = ()) -> int:
         """Fetch the chunks of `chunks` (access profile entries) in their order and every
         chunk of the `whole` layers (digests) into the chunk store, on the server's own
         threads; the number of chunks queued now (entries of layers not loaded yet wait).
         `part`: node I of a preheat job's N fetches its own part of them first
         (prefetch/warmup.py rotation); 0 of 1 is not sent (a server before parts).
-        `background`: a preheat's warm-up, which nobody waits on (cache.source.BACKGROUND)."""
+        `background`: a preheat's warm-up, which nobody waits on (cache.source.BACKGROUND);
+        `sparse`: of those, the layers (digests) whose pieces the target fills sparsely are
+        read as asked, not as whole pieces through the swarm (the region holds them to the
+        ranges asked: p2p/ondemand.py)."""
         args = _entries(chunks, whole)
         if part[1] > 1:
             args["part"] = list(part)
         if background:
             args["background"] = True
+        if sparse:
+            args["sparse"] = list(sparse)
         return int(self._call("prefetch", **args)["queued"])
 
     def warmth(self, chunks: list | None = None, whole: list[str] | None = None) -> dict:

@@ -9,12 +9,14 @@ snapshotter/fs/client.py FSClient has a typed method for every op:
     {"op": "status"}                                  -> {"layers", "uptime_s", "ops", "prefetch",
                                                           "store": the data path's figures}
     {"op": "profile", "layers": [DIGEST]?}            -> {"chunks": [[digest, start, end], ...]}
-    {"op": "prefetch", "chunks": [ENTRY]?, "whole": [DIGEST]?, "part": [I, N]?, "background": bool?}
+    {"op": "prefetch", "chunks": [ENTRY]?, "whole": [DIGEST]?, "part": [I, N]?, "background": bool?,
+     "sparse": [DIGEST]?}
                                                       -> {"queued"}
                                                       (part: node I of a preheat job's N: its
                                                        own part of the chunks first, wrapping
                                                        around; prefetch/warmup.py. None: 0 of 1;
-                                                       background: a preheat's, not a start's)
+                                                       background: a preheat's, not a start's;
+                                                       sparse: FSClient.prefetch)
     {"op": "warmth", "chunks": [ENTRY]?, "whole": [DIGEST]?}    -> {"layers": [row], "prefetch"}
     {"op": "prove", "id": HEX, "urgent": bool?}       -> {"diff_id"} | {"error", "final"}
     {"op": "mark_bad", "id": HEX, "reason": TEXT}     -> {}
@@ -153,9 +155,12 @@ class NodeControl:
         entries, whole = self._entries(req)
         part = check_part(req.get("part"))  # (a ValueError, answered as such)
         background = req.get("background", False) is True
+        sparse = req.get("sparse") or []
+        if not isinstance(sparse, list) or not all(isinstance(d, str) for d in sparse):
+            raise ValueError("prefetch: sparse must be a list of layer digests")
         warmup = self.fs.warmup
         return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole), part,
-                                                                background))}
+                                                                background, sparse))}
 
     def warmth(self, req: dict) -> dict:
         entries, whole = self._entries(req)
