@@ -420,6 +420,7 @@ def quick_image(work: Path) -> Image:
 def push_images(image: Image, work: Path) -> Path:
     """Push both images into a registry storage folder (a registry on the host's
     loopback, stopped afterwards); the per-link registries serve that folder."""
+    from tests.lab.provide import publish_layout_pieces
     from tests.torchimage import push
 
     regdir = work / "registry-push"
@@ -429,7 +430,11 @@ def push_images(image: Image, work: Path) -> Path:
         t = time.monotonic()
         push(image.gzip_layout, image.tag, server.host, repo=REPO_NAME, dest_tag="gzip")
         push(image.shoal_layout, image.tag, server.host, repo=REPO_NAME, dest_tag="shoal")
-        common.say(f"pushed both images in {time.monotonic() - t:.1f}s")
+        # as `shoal convert` to a registry publishes them: a region makes a lazy layer's
+        # torrent from these before it holds the layer
+        pieces = publish_layout_pieces(str(image.shoal_layout), image.tag, server.host, REPO_NAME)
+        common.say(f"pushed both images (and the piece hashes of {pieces} lazy layers) in "
+                   f"{time.monotonic() - t:.1f}s")
     finally:
         server.stop()
     return server.storage

@@ -43,3 +43,23 @@ def push_files_profile(layout: str, host: str, repository: str, names: list[str]
     by_name = {e.name.lstrip("./"): e for e in toc.files()}
     chunks = [(layer["digest"], c.start, c.end) for name in names for c in by_name[name].chunks]
     return profile.push_profile(host, repository, profile.Profile(root.digest, chunks), [layer["digest"]], plain_http)
+
+
+def publish_layout_pieces(layout: str, tag: str, host: str, repository: str, plain_http: bool = True) -> int:
+    """Publish the piece hashes of every lazy layer of the image tagged `tag` in OCI layout
+    `layout`, pushed unchanged as HOST/REPOSITORY (what `shoal convert` to a registry does
+    for the layers it writes); the number published."""
+    import json
+    import os
+
+    from builder.format.footer import location_from_annotations
+    from builder.oci.refs import open_source
+    from builder.pieces import hash_file, push_pieces
+
+    with open_source(f"oci:{layout}:{tag}") as src:
+        layers = json.loads(src.get_root().data)["layers"]
+    lazy = [ly for ly in layers if location_from_annotations(ly.get("annotations")) is not None]
+    for ly in lazy:
+        path = os.path.join(layout, "blobs", *ly["digest"].split(":"))
+        push_pieces(host, repository, hash_file(path, ly["digest"]), plain_http)
+    return len(lazy)
