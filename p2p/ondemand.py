@@ -13,7 +13,8 @@ that is down costs that once per read; counted as patient_timeouts); then it pla
 above.
 A background read (a preheat's warm-up) of pieces nobody has, that its warm-up's whole
 target (cache.source.TARGET) fills to less than SPARSE, is passed on (NotHere, counted as
-sparse_reads_passed): the chain's next source sends exactly the ranges asked. Fetched
+sparse_reads_passed), before any patient wait (every node of the job passes such pieces
+on, so no peer will have them): the chain's next source sends exactly the ranges asked. Fetched
 whole, such pieces would cost the origin the bytes around the ranges that nobody will ask
 (a profile preheat's region holds the blob to the ranges asked: the origin serves exactly
 those); passed on, each node that needs them takes them from the region (coalesced there:
@@ -86,11 +87,11 @@ class OnDemand:
                 return [Held(d) for d in slice_pieces(t.meta, done, ranges)]
         if not t.settled.is_set():
             t.settled.wait(self.config.settle_wait)
+        target = TARGET.get()
+        if target is not None and target.get(blob.digest):  # (before a patient wait: no peer fetches such pieces)
+            self._pass_sparse(t, pieces, target[blob.digest])
         if PATIENT.get():
             self._wait_for_peers(t, pieces)
-        target = TARGET.get()
-        if target is not None and target.get(blob.digest):
-            self._pass_sparse(t, pieces, target[blob.digest])
         start = time.monotonic()
         local, asked, fetch = self.session.call(lambda: self._plan(t, pieces)).result(30)
         got: dict[int, bytes] = {}

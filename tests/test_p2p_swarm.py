@@ -569,7 +569,7 @@ def test_a_cold_layers_profile_preheat_swarms_on_its_published_piece_hashes(worl
     print(f"cold profile preheat over the swarm: 4 nodes, target {target} B per node; the region served "
           f"{job['region_bytes']} B during the job ({job['region_bytes'] / target:.2f}x), the origin "
           f"{job['origin_bytes']} B ({job['origin_bytes'] / target:.3f}x), the nodes took {peers} B from peers; "
-          f"{passed} sparse reads passed the swarm by")
+          f"{passed} sparse reads passed the swarm by; ready in {job['age_s']} s")
     assert job["origin_bytes"] <= 1.05 * target  # one copy of what the nodes read, not of whole pieces
     assert job["region_bytes"] <= 1.5 * target, "the region sent a copy per node: no swarm for the cold layer"
     assert peers >= 2 * target
