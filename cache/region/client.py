@@ -134,6 +134,9 @@ class _SourceAdapter(requests.adapters.HTTPAdapter):
         return super().init_poolmanager(*args, **kwargs)
 
 
+BACKGROUND_GAP = 4 << 10  # bytes between two ranges of a background read that one request bridges
+
+
 class RegionSource(Source):
     """Ranges of blobs from the region cache at `url` (e.g. "https://region:5080", or a
     RegionLink)."""
@@ -170,9 +173,10 @@ class RegionSource(Source):
             raise NotHere(f"region cache {self.url} is down (retrying later)")
         if not ranges:
             return []
-        # a background read (a preheat's) bridges no gaps: a region that holds the blob to
-        # the ranges asked would fetch them from the origin
-        spans = merge_ranges(ranges, gap=0) if BACKGROUND.get() else merge_ranges(ranges)
+        # a background read (a preheat's) bridges small gaps only (the tar headers between
+        # one file's chunks and the next's): a region that holds the blob to the ranges
+        # asked fetches the gaps from the origin too
+        spans = merge_ranges(ranges, gap=BACKGROUND_GAP) if BACKGROUND.get() else merge_ranges(ranges)
         datas = [self._read_span(blob, a, b) for a, b in spans]
         return slice_spans(spans, datas, ranges)
 
