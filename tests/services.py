@@ -64,6 +64,7 @@ class RegistryServer:
                 written=int(entry.get("http.response.written", 0)),
             )
             for entry in registry_log(self.log_path)
+            if _SETTLE_MARK not in entry.get("http.request.uri", "")  # (settle()'s own requests)
         ]
 
     def count(self, method: str | None = None, uri_contains: str = "") -> tuple[int, int]:
@@ -74,25 +75,42 @@ class RegistryServer:
         ]
         return len(hits), sum(r.written for r in hits)
 
-    def settle(self, timeout: float = 20.0) -> None:
+    def settle(self, timeout: float = 10.0) -> None:
         """Wait until every request answered before this call is in the log: the registry
         logs a request after its response went out, so a client can have every byte before
-        the line is written. A marker request, logged after those, shows they are."""
-        marker = secrets.token_hex(8)
+        the line is written. A marker request, logged after those, shows they are (not
+        for a registry that is not running: stopped by a test, or gone)."""
+        if not _running(self.pid):
+            return
+        marker = _SETTLE_MARK + secrets.token_hex(8)
         with contextlib.suppress(urllib.error.URLError, OSError):
-            urllib.request.urlopen(f"{self.url}/v2/?settle={marker}", timeout=timeout).close()
+            urllib.request.urlopen(f"{self.url}/v2/?{marker}", timeout=timeout).close()
         deadline = time.monotonic() + timeout
-        while not any(marker in r.uri for r in self.requests()):
+        while not any(marker in e.get("http.request.uri", "") for e in registry_log(self.log_path)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the registry did not log the marker request {marker} in {timeout:.0f}s")
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     def layer_bytes(self, manifest: dict) -> int:
-        """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest)."""
+        """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest),
+        once the registry has logged every request answered before (settle)."""
+        self.settle()
         return sum(self.count("GET", ly["digest"])[1] for ly in manifest["layers"])
 
     def stop(self) -> None:
         stop_process(self._proc)
+
+
+_SETTLE_MARK = "shoal-settle="
+
+
+def _running(pid: int) -> bool:
+    """Process `pid` exists and is neither stopped (SIGSTOP), nor a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def free_port() -> int:
