@@ -222,6 +222,7 @@ class BackendTorrents:
         self._asking: dict[str, asyncio.Future] = {}
         self._unpublished: dict[str, float] = {}  # digest -> until when it is not asked again
         self._checking: set[str] = set()
+        self._check_after: dict[str, float] = {}  # digest -> when a check that failed may run again
         self.retry_after = retry_after
         self.cache.stats.update(published=0, published_missing=0, published_lied=0)
 
@@ -230,6 +231,7 @@ class BackendTorrents:
         loop = asyncio.get_running_loop()
         if info is not None:
             if self.cache.unchecked(digest) and digest not in self._checking \
+                    and time.monotonic() >= self._check_after.get(digest, 0.0) \
                     and await loop.run_in_executor(None, self.backend.contains, digest):
                 self._checking.add(digest)
                 check = loop.run_in_executor(self.cache._pool, self._check_published, digest, info)
@@ -285,7 +287,10 @@ class BackendTorrents:
             plen = metainfo.parse_info(info, digest).piece_length
             made = self._make(digest, plen)
         except (ShoalError, OSError, ValueError) as e:
-            log.warning("torrent of %s: cannot check its published piece hashes against the blob: %s", digest, e)
+            # (not again at every request: each check hashes the whole blob)
+            self._check_after[digest] = time.monotonic() + UNPUBLISHED_RETRY
+            log.warning("torrent of %s: cannot check its published piece hashes against the blob (again in %.0fs): %s",
+                        digest, UNPUBLISHED_RETRY, e)
             return
         if made != info:
             self.cache.stats["published_lied"] += 1
