@@ -55,7 +55,9 @@ class RegistryServer:
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def requests(self) -> list[LoggedRequest]:
-        """Every request the registry logged as completed, in order."""
+        """Every request the registry answered before this call, in order (settle first:
+        the log line of a request comes after its response)."""
+        self.settle()
         return [
             LoggedRequest(
                 method=entry["http.request.method"],
@@ -92,10 +94,10 @@ class RegistryServer:
             time.sleep(0.02)
 
     def layer_bytes(self, manifest: dict) -> int:
-        """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest),
-        once the registry has logged every request answered before (settle)."""
-        self.settle()
-        return sum(self.count("GET", ly["digest"])[1] for ly in manifest["layers"])
+        """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest)."""
+        requests = self.requests()
+        return sum(r.written for r in requests for ly in manifest["layers"]
+                   if r.method == "GET" and ly["digest"] in r.uri)
 
     def stop(self) -> None:
         stop_process(self._proc)
