@@ -108,7 +108,9 @@ def _verify_chunks(f: BinaryIO, toc: Toc, loc: TocLocation, what: str) -> None:
             raise DigestMismatch(f"{what}: tar-split digest mismatch (TOC says {toc.tarsplit_digest}, got {got})")
 
 
-def _manifests(src: ImageSource) -> list[tuple[str | None, Manifest]]:
+def image_manifests(src: ImageSource) -> list[tuple[str | None, Manifest]]:
+    """(platform or None, manifest) of each image manifest of `src` (its root, or the
+    manifests its index lists)."""
     root = src.get_root()
     if root.media_type in mt.MANIFEST_TYPES:
         return [(None, root)]
@@ -128,7 +130,7 @@ def inspect(ref: str, plain_http: bool = False, verify: bool = False) -> dict:
         root = src.get_root()
         report["digest"] = root.digest
         report["media_type"] = root.media_type
-        for platform, m in _manifests(src):
+        for platform, m in image_manifests(src):
             what = ref + (f" [{platform}]" if platform else "")
             man = parse_manifest(m.data, what)
             layers = [ly.raw for ly in man.layers]

@@ -121,6 +121,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pieces_push(args: argparse.Namespace) -> int:
+    from builder.pieces_push import push_image_pieces
+
+    progress = TerminalProgress() if not args.json and sys.stderr.isatty() else None
+    try:
+        summary = push_image_pieces(args.ref, args.plain_http, args.force, progress)
+    finally:
+        if progress:
+            progress.finish()
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for ly in summary["layers"]:
+        if ly["action"] == "pushed":
+            print(f"{ly['blob']}  pushed  {ly['pieces']} pieces of {ly['piece_length'] >> 10} KiB  {ly['reference']}")
+        else:
+            print(f"{ly['blob']}  present")
+    return 0
+
+
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -197,6 +217,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit status 1 if any differs)",
     )
     i.set_defaults(func=cmd_inspect)
+
+    pc = sub.add_parser(
+        "pieces",
+        help="publish the piece hashes of an image's lazy layers (for images converted without them)",
+        description="Piece hashes let a region offer a layer's torrent before it holds the layer whole. "
+                    "shoal convert publishes them for a registry destination; these commands do it for an "
+                    "image already in a registry.",
+    )
+    psub = pc.add_subparsers(dest="pieces_command", metavar="COMMAND")
+    psub.required = True
+    pp = psub.add_parser(
+        "push",
+        help="hash each lazy layer of REF and push its piece hashes beside the image",
+        description="Read each zstd:chunked layer of every platform of REF once (checked against its digest), "
+                    "hash it in pieces and push the hashes under the tag sha256-<layer hex>.shoal-pieces in "
+                    "REF's repository, as shoal convert does. Layers whose hashes are there already are "
+                    "skipped.",
+        epilog="REF: docker://HOST/REPO:TAG or docker://HOST/REPO@sha256:... Registry credentials come from "
+               "the docker config.json ($DOCKER_CONFIG or ~/.docker) or $REGISTRY_AUTH_FILE.",
+    )
+    pp.add_argument("ref", metavar="REF", help="the image, in a registry")
+    pp.add_argument("--plain-http", action="store_true", help="talk HTTP, not HTTPS, to the registry")
+    pp.add_argument("--force", action="store_true", help="hash and push layers whose hashes are published already")
+    pp.add_argument("--json", action="store_true", help="print a JSON summary on stdout (no progress bar)")
+    pp.set_defaults(func=cmd_pieces_push)
 
     # Commands of the node and region components register themselves here; each module
     # has add_parser(subparsers). They are imported only if installed (shoal[node]).

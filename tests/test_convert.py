@@ -269,21 +269,20 @@ def test_registry_to_registry(registry, real_image, tmp_path):
     assert report["ok"] and report["digest"] == summary["digest"]
     # each lazy layer's piece hashes are published beside the image (a region makes the
     # layer's torrent from them before it has the layer): they are the blob's own
-    _check_published_pieces(registry, summary)
+    _check_published_pieces(registry, summary["pieces"])
     # a registry that is not there: one line, exit 1, quickly
     proc = shoal("convert", "--plain-http", "docker://127.0.0.1:1/x:y", f"oci:{tmp_path / 'o'}", check=False)
     assert_one_line_error(proc, "127.0.0.1:1")
 
 
-def _check_published_pieces(registry, summary: dict) -> None:
+def _check_published_pieces(registry, published: list[dict], repo: str = "team/train", tag: str = "chunked") -> None:
     from builder.oci.refs import DockerRef
     from builder.oci.registry import RegistrySource
     from builder.pieces import PieceHasher, Pieces, pieces_blob, pieces_tag
 
-    repo = "team/train"
-    with RegistrySource(DockerRef(registry.host, repo, tag="chunked"), True) as image:
+    with RegistrySource(DockerRef(registry.host, repo, tag=tag), True) as image:
         layers = json.loads(image.get_root().data)["layers"]
-    assert sorted(p["blob"] for p in summary["pieces"]) == sorted(ly["digest"] for ly in layers)
+    assert sorted(p["blob"] for p in published) == sorted(ly["digest"] for ly in layers)
     for ly in layers:
         with RegistrySource(DockerRef(registry.host, repo, tag=pieces_tag(ly["digest"])), True) as src:
             desc = pieces_blob(src.get_root().data, ly["digest"], "pieces")
@@ -295,6 +294,57 @@ def _check_published_pieces(registry, summary: dict) -> None:
                     hasher.update(data)
         assert hasher.finish(ly["digest"]) == published
         assert published.count == -(-ly["size"] // published.piece_length)
+
+
+@pytest.mark.registry
+def test_pieces_push_publishes_the_hashes_of_an_image_converted_without_them(registry, real_image, converted,
+                                                                             tmp_path):
+    """`shoal pieces push` gives an image already in a registry what `shoal convert` would
+    have published: each lazy layer's piece hashes, the blob's own; once, not again; never
+    from bytes that do not match the layer's digest."""
+    from builder.oci.refs import DockerRef, open_destination, open_source
+    from builder.oci.registry import RegistrySource
+    from builder.pieces import pieces_tag
+    from shoal.errors import NotFound
+    from tests.imagetools import copy_image
+
+    dst, _ = converted
+    ref = f"docker://{registry.host}/team/old:chunked"
+    with open_source(f"oci:{dst}:v1") as s, open_destination(ref, plain_http=True) as d:
+        copy_image(s, d, tmp_path)  # in the registry, with no piece hashes
+    with RegistrySource(DockerRef(registry.host, "team/old", tag="chunked"), True) as image:
+        layers = json.loads(image.get_root().data)["layers"]
+    with RegistrySource(DockerRef(registry.host, "team/old", tag=pieces_tag(layers[0]["digest"])), True) as tag, \
+            pytest.raises(NotFound):
+        tag.get_root()
+    summary = json.loads(shoal("pieces", "push", "--json", "--plain-http", ref).stdout)
+    assert [ly["action"] for ly in summary["layers"]] == ["pushed"] * 3
+    _check_published_pieces(registry, summary["layers"], "team/old", "chunked")
+    # again: every layer's hashes are there, nothing is read or pushed
+    puts, blob_gets = registry.count("PUT"), registry.count("GET", "/blobs/")
+    again = shoal("pieces", "push", "--plain-http", ref).stdout.splitlines()
+    assert sorted(line.split()[0] for line in again) == sorted(ly["digest"] for ly in layers)
+    assert all(line.split()[1] == "present" for line in again)
+    assert registry.count("PUT") == puts and registry.count("GET", "/blobs/") == blob_gets
+    # a layer whose stored bytes are spoiled: one line naming it, exit 1, its hashes not pushed
+    spoiled = layers[1]["digest"]
+    data_file = registry.storage / "docker/registry/v2/blobs/sha256" / spoiled[7:9] / spoiled[7:] / "data"
+    with open(data_file, "r+b") as fh:
+        fh.seek(layers[1]["size"] // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    proc = shoal("pieces", "push", "--force", "--plain-http", ref, check=False)
+    assert_one_line_error(proc, spoiled, "digest")
+    assert registry.count("PUT", pieces_tag(layers[0]["digest"]))[0] == 2  # pushed again before the spoiled one
+    assert registry.count("PUT", pieces_tag(spoiled))[0] == 1
+    # not a registry; an image with no lazy layer
+    proc = shoal("pieces", "push", f"oci:{dst}:v1", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "docker://" in proc.stderr
+    gzip = f"docker://{registry.host}/team/old:gzip"
+    with open_source(f"oci:{real_image}:v1") as s, open_destination(gzip, plain_http=True) as d:
+        copy_image(s, d, tmp_path)
+    assert_one_line_error(shoal("pieces", "push", "--plain-http", gzip, check=False), "no zstd:chunked layers")
 
 
 def test_published_pieces_documents_are_checked():
