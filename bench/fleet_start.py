@@ -34,6 +34,8 @@ there to the command's output on that node. Per run:
   node's bytes from peers, region and origin once its layers are proven, which reads each
   layer's whole blob after the start: the largest over the nodes, one copy);
   start_read_bytes: the same when the last node's command answered (what the starts read);
+  node_start_figures: per node, its seconds and its `shoal status` fetch figures (bytes by
+  source, the swarm's counters) when the last node's command answered;
 - origin_bytes_ratio = origin_bytes / read_bytes; origin_image_ratio = origin_bytes / the
   image's compressed size; region_bytes_ratio: bytes the nodes took from the region /
   read_bytes; peer_bytes: bytes the nodes took from each other.
@@ -149,9 +151,14 @@ def start_at_once(jobs: list, work) -> list[NodeRun]:
     return out
 
 
-def node_figures(node: netlab.LabNode, run: NodeRun) -> dict:
+def node_figures(node: netlab.LabNode, run: NodeRun, sources: bool = False) -> dict:
+    """The node's `shoal status` fetch figures (and, with `sources`, its fetch chain's
+    figures per source: the swarm's piece counts and peer waits)."""
     try:
-        return node.status()["fetch"]
+        status = node.status()
+        if sources:
+            return {**status["fetch"], "sources": (status.get("data_path") or {}).get("sources")}
+        return status["fetch"]
     except (RuntimeError, ValueError, KeyError) as e:
         run.error = run.error or f"status: {e}"
         return {}
@@ -283,8 +290,8 @@ class Fleet:
             w1 = self.window()
             self.unspy(spies)
             cpu0, cpu1 = w0[0], w1[0]
-            start_read = max((node_read(node_figures(node, r)) for node, r in zip(nodes, results, strict=True)),
-                             default=0)
+            at_start = [node_figures(node, r, sources=True) for node, r in zip(nodes, results, strict=True)]
+            start_read = max((node_read(figs) for figs in at_start), default=0)
             wait_settled(self.lab, region, nodes)
             origin = registry_bytes(self.registry) - before
             for node, r in zip(nodes, results, strict=True):
@@ -324,6 +331,7 @@ class Fleet:
         out = self._summary(n, scenario, results, origin, read, self.image.shoal_bytes, from_region, peers,
                             cpu0, cpu1)
         out["start_read_bytes"] = start_read
+        out["node_start_figures"] = [{"seconds": r.seconds, **figs} for r, figs in zip(results, at_start, strict=True)]
         out["cpu_s"] = self.cpu_seconds(w0, w1)
         if preheat:
             out.update(warm)

@@ -411,6 +411,33 @@ def test_pieces_a_node_had_survive_its_restart_checked_again(loopback_swarm, tmp
     assert _wait(lambda: third.statistics()["pieces_resumed"] >= 11)
 
 
+def _peer_sockets_nodelay(ports: set[int]) -> list[int]:
+    """TCP_NODELAY of each connected TCP socket of this process with an end on `ports`."""
+    from p2p.session import tcp_sockets
+
+    out = []
+    for sock in tcp_sockets():
+        try:
+            ends = {sock.getsockname()[1], sock.getpeername()[1]}
+        except OSError:
+            continue  # listening
+        if ends & ports:
+            out.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    return out
+
+
+def test_peer_connections_send_without_waiting_for_acks(loopback_swarm):
+    """libtorrent leaves Nagle's algorithm on for its peer connections: the session turns it
+    off (TCP_NODELAY), or an on-demand read a peer answers waits for delayed ACKs."""
+    blob, data = loopback_swarm.blob, loopback_swarm.data
+    a, _ = loopback_swarm(1)
+    a.download(blob, timeout=30)
+    b, region_b = loopback_swarm(2)
+    assert b.read(blob, [(0, 1000)]) == [data[:1000]] and region_b.bytes == 0  # from a
+    ports = {a.listen_port, a.ssl_listen_port}
+    assert _wait(lambda: (got := _peer_sockets_nodelay(ports)) and all(got)), _peer_sockets_nodelay(ports)
+
+
 def test_tracker_and_region_outages_never_fail_a_read(loopback_swarm):
     """Connected peers keep exchanging when the tracker is gone; a node that cannot
     reach the tracker reads from the region; a node with neither says NotHere."""
