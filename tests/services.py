@@ -80,8 +80,10 @@ class RegistryServer:
     def settle(self, timeout: float = 10.0) -> None:
         """Wait until every request answered before this call is in the log: the registry
         logs a request after its response went out, so a client can have every byte before
-        the line is written. A marker request, logged after those, shows they are (not
-        for a registry that is not running: stopped by a test, or gone)."""
+        the line is written. A marker request, logged after those, shows they are, once
+        the log has then been still for SETTLE_QUIET (a response on another connection can
+        be logged after the marker: a 15 MB blob's line came 22 ms after it, in a CI run);
+        not for a registry that is not running (stopped by a test, or gone)."""
         if not _running(self.pid):
             return
         marker = _SETTLE_MARK + secrets.token_hex(8)
@@ -95,6 +97,12 @@ class RegistryServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the registry did not log the marker request {marker} in {timeout:.0f}s")
             time.sleep(0.02)
+        size, still = self.log_path.stat().st_size, time.monotonic()
+        busy_until = still + 1.0  # (a registry serving others meanwhile is never still: not past this)
+        while time.monotonic() - still < SETTLE_QUIET and time.monotonic() < busy_until:
+            time.sleep(0.02)
+            if (now := self.log_path.stat().st_size) != size:
+                size, still = now, time.monotonic()
 
     def layer_bytes(self, manifest: dict) -> int:
         """Bytes served so far of the layer blobs of `manifest` (a parsed image manifest)."""
@@ -107,6 +115,7 @@ class RegistryServer:
 
 
 _SETTLE_MARK = "shoal-settle="
+SETTLE_QUIET = 0.15  # seconds the registry's log stays unchanged after settle()'s marker
 
 
 def _running(pid: int) -> bool:
