@@ -32,6 +32,7 @@ import binascii
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from builder.oci.artifact import artifact_blob, push_artifact
@@ -164,9 +165,21 @@ def hash_file(path: str, blob: str, piece_length: int | None = None) -> Pieces:
     """The pieces of the blob in file `path` (its digest `blob`, not checked here: the
     caller wrote or checked the file)."""
     with open(path, "rb") as f:
-        hasher = PieceHasher(os.fstat(f.fileno()).st_size, piece_length)
-        while data := f.read(_READ):
-            hasher.update(data)
+        return hash_stream(f, os.fstat(f.fileno()).st_size, blob, piece_length)
+
+
+def hash_stream(f, size: int, blob: str, piece_length: int | None = None,
+                progress: Callable[[int], None] | None = None) -> Pieces:
+    """The pieces of the `size` bytes of blob `blob` read from `f` (anything with read(n));
+    `progress(bytes so far)` after each read. Checking the bytes against `blob` is the
+    reader's (a VerifyingReader raises at its end) or the caller's."""
+    hasher = PieceHasher(size, piece_length)
+    done = 0
+    while data := f.read(_READ):
+        hasher.update(data)
+        done += len(data)
+        if progress:
+            progress(done)
     return hasher.finish(blob)
 
 

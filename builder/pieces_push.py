@@ -19,12 +19,10 @@ from builder.inspect import image_manifests
 from builder.oci.documents import parse_manifest
 from builder.oci.refs import DockerRef, parse_reference
 from builder.oci.registry import RegistrySource
-from builder.pieces import PieceHasher, pieces_tag, push_pieces
+from builder.pieces import hash_stream, pieces_tag, push_pieces
 from shoal.errors import FormatError, NotFound, UsageError
 
 log = logging.getLogger("shoal.pieces")
-
-_READ = 4 << 20
 
 Progress = Callable[[str, int, int], None]
 
@@ -61,15 +59,9 @@ def _push_layer(src: RegistrySource, ref: DockerRef, digest: str, size: int, for
     if not force and _published(ref, digest, plain_http):
         log.info("%s: piece hashes published already", what)
         return {**entry, "action": "present"}
-    hasher = PieceHasher(size)
-    done = 0
     with src.open_blob(digest, size) as blob:  # checked against `digest` at its end
-        while data := blob.read(_READ):
-            hasher.update(data)
-            done += len(data)
-            if progress:
-                progress(digest[:19], done, size)
-    pieces = hasher.finish(digest)
+        pieces = hash_stream(blob, size, digest,
+                             progress=(lambda done: progress(digest[:19], done, size)) if progress else None)
     pushed = push_pieces(ref.host, ref.repository, pieces, plain_http)
     log.info("%s: %d piece hashes of %d bytes published as %s", what, pieces.count, pieces.piece_length, pushed)
     return {**entry, "action": "pushed", "reference": pushed, "piece_length": pieces.piece_length,
