@@ -47,8 +47,9 @@ there to the command's output on that node. Per run:
   pull`, `ctr`), other (the rest of the machine: the kernel's network, anything else
   running). For (d), local_cpu_s is the same for the local start: N such starts on this
   machine's cores need at least N x its CPU seconds / cores, whatever the network.
-- --py-spy DIR records py-spy profiles (raw collapsed stacks, wall-clock samples of busy
-  threads) of the region and every node's processes over each shoal start window.
+- --py-spy DIR records py-spy profiles (raw collapsed stacks, samples of the thread holding
+  the GIL: Python's own CPU, not threads waiting for a core or in native code) of the region
+  and every node's processes over each shoal start window; --perf adds `perf record -g`.
 
 Then a model (labelled so) fitted on the measured runs of each scenario (p99 = x + y*N for
 a, whose origin uplink carries N copies; p99 = x + y*log2(N) for shoal, one copy and a
@@ -357,7 +358,7 @@ class Fleet:
                                         stderr=open(self.spy_dir / f"{label}.perf.log", "wb")))  # noqa: SIM115
         for name, pid in targets:
             path = self.spy_dir / f"{label}-{name}-{pid}.txt"
-            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "50",
+            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "50", "--gil",
                                          "--nonblocking", "-f", "raw", "-o", str(path)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches

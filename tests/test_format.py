@@ -24,7 +24,7 @@ from builder.format.footer import (
     skippable_frame,
 )
 from builder.format.reader import LayerReader
-from builder.format.toc import decompress_toc, format_timestamp, parse_toc
+from builder.format.toc import decompress_frames, decompress_toc, format_timestamp, parse_toc
 from builder.format.writer import LayerWriter, WriterOptions
 from builder.tarstream import TarReader, clean_name
 from shoal.errors import DigestMismatch, FormatError
@@ -459,3 +459,23 @@ def test_tarsplit_names_that_are_not_utf8_round_trip():
     assert entries[1]["name"].encode("utf-8", "surrogateescape") == b"caf\xe9"
     assert base64.b64encode(entries[1]["payload"]) and entries[2]["payload"] is None
     assert [json.loads(line)["position"] for line in w.getvalue().splitlines()] == [0, 1, 2]
+
+
+def test_decompress_frames_bounds_what_frame_headers_claim():
+    """One frame declaring its size takes the fast path; several frames, a frame without
+    a declared size and one declaring more than the limit all give what the stream path
+    gives: the bytes, or FormatError past the limit (never a buffer of the declared size)."""
+    import zstandard
+
+    data = bytes(range(256)) * 400
+    one = zstandard.ZstdCompressor().compress(data)
+    assert decompress_frames(one, len(data), "x") == data
+    assert decompress_frames(one + one, 2 * len(data), "x") == data + data
+    bare = zstandard.ZstdCompressor(write_content_size=False).compress(data)
+    assert decompress_frames(bare, len(data), "x") == data
+    with pytest.raises(FormatError, match="more than 1000 bytes"):
+        decompress_frames(one, 1000, "x")
+    empty = zstandard.ZstdCompressor(write_content_size=True).compress(b"")
+    assert decompress_frames(empty, 10, "x") == b""
+    with pytest.raises(FormatError):
+        decompress_frames(b"not zstd at all", 10, "x")

@@ -19,6 +19,7 @@ import datetime as _dt
 import hashlib
 import io
 import json
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -160,8 +161,28 @@ def decompress_toc(compressed: bytes, expected_digest: str | None, uncompressed_
     return data
 
 
+_DCTX = threading.local()  # one decompression context per thread: making one costs more than a small chunk
+
+
 def decompress_frames(data: bytes | memoryview, limit: int, what: str) -> bytes:
-    """The zstd frames in `data`, decompressed, at most `limit` bytes; FormatError otherwise."""
+    """The zstd frames in `data`, decompressed, at most `limit` bytes; FormatError otherwise.
+
+    The common case, one frame whose header declares at most `limit` bytes (every chunk
+    `shoal convert` writes), is one call on this thread's context; anything else (several
+    frames, no declared size, a declared size beyond `limit`, an error) takes the stream
+    path, which bounds what it produces whatever the headers claim."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        declared = -1
+    if 0 <= declared <= limit:
+        dctx = getattr(_DCTX, "dctx", None)
+        if dctx is None:
+            dctx = _DCTX.dctx = zstandard.ZstdDecompressor()
+        try:
+            return dctx.decompress(data, max_output_size=limit, allow_extra_data=False)
+        except zstandard.ZstdError:
+            pass  # (the stream path names the error, or reads the frames that follow)
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True) as r:
             out = r.read(limit + 1)
