@@ -464,7 +464,8 @@ def test_tarsplit_names_that_are_not_utf8_round_trip():
 def test_decompress_frames_bounds_what_frame_headers_claim():
     """One frame declaring its size takes the fast path; several frames, a frame without
     a declared size and one declaring more than the limit all give what the stream path
-    gives: the bytes, or FormatError past the limit (never a buffer of the declared size)."""
+    gives: the bytes, or FormatError past the limit (never a buffer of the declared size:
+    a header claiming 1 TiB is FormatError, not MemoryError)."""
     import zstandard
 
     data = bytes(range(256)) * 400
@@ -475,6 +476,14 @@ def test_decompress_frames_bounds_what_frame_headers_claim():
     assert decompress_frames(bare, len(data), "x") == data
     with pytest.raises(FormatError, match="more than 1000 bytes"):
         decompress_frames(one, 1000, "x")
+    # the same frame, its header made to declare 1 TiB: decoding it as declared would ask
+    # for a 1 TiB buffer (MemoryError); the bound holds instead
+    fhd = one[4]
+    assert fhd >> 6 == 2 and fhd & 0x20  # single segment, a 4-byte content size
+    bomb = one[:4] + bytes([fhd | 0xC0]) + (1 << 40).to_bytes(8, "little") + one[9:]
+    assert zstandard.frame_content_size(bomb) == 1 << 40
+    with pytest.raises(FormatError):
+        decompress_frames(bomb, 1 << 20, "x")
     empty = zstandard.ZstdCompressor(write_content_size=True).compress(b"")
     assert decompress_frames(empty, 10, "x") == b""
     with pytest.raises(FormatError):

@@ -832,8 +832,8 @@ def tune_malloc() -> None:
 
 
 def run(root: str, config: dict) -> int:
-    os.umask(PRIVATE_UMASK)
-    tune_malloc()  # what this process makes under ROOT (chunks, swarm storage) is root's alone
+    os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
+    tune_malloc()
     mnt = os.path.join(root, "mnt")
     private_dir(os.path.join(root, "layers"))
     fs = build_fs(root, config)
