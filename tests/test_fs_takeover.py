@@ -319,6 +319,61 @@ def test_an_upgrade_without_resend_lets_the_reads_in_flight_end_first(in_flight_
     assert t.read("b").stdout.strip() == t.digests["b"]
 
 
+XATTR_HAMMER = """
+import errno, json, os, sys
+path, stop = sys.argv[1], sys.argv[2]
+calls, errors = 0, []
+while not os.path.exists(stop):
+    try:
+        os.getxattr(path, "user.none")
+    except OSError as e:
+        if e.errno != errno.ENODATA:
+            errors.append(e.strerror)
+    calls += 1
+print(json.dumps({"calls": calls, "errors": errors}))
+"""
+
+
+def test_an_upgrade_without_resend_answers_every_request_that_comes_meanwhile(in_flight_read, monkeypatch,
+                                                                              tmp_path):
+    """On a kernel without FUSE_NOTIFY_RESEND, requests keep coming while the old server
+    drains and exits (here a process asks for an xattr of a file, which always reaches
+    the server, as fast as it is answered): the old server reads none that it cannot
+    answer before it exits, so each is answered by one server or the other, and none
+    gets EIO from the next server's in-flight table."""
+    monkeypatch.setenv(NO_RESEND_ENV, "1")
+    t = in_flight_read()
+    t.resume_registry()
+    code, out, err = t.finish()
+    assert code == 0 and out.strip() == t.digests["a"], err
+    stop = tmp_path / "stop hammer"
+    hammer = subprocess.Popen([sys.executable, "-c", XATTR_HAMMER, str(t.mount / "data/b"), str(stop)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        assert hammer.poll() is None, hammer.communicate()
+        old = t.layers.fs.ping()["pid"]
+        t.layers.fs.release()
+        monkeypatch.setenv("SHOAL_VERSION", "busy-upgrade")
+        upgraded = RemoteLayers(str(t.root), {"read_deadline": 600.0})
+        t.clients.append(upgraded.fs)
+        upgraded.start()
+        assert upgraded.fs.ping()["pid"] != old
+        wait_for(lambda: not _running(old), "the old server's exit", timeout=30)
+        time.sleep(0.5)  # (the hammer goes on against the new server)
+        stop.touch()
+        out, err = hammer.communicate(timeout=60)
+    finally:
+        if hammer.poll() is None:
+            hammer.kill()
+            hammer.wait(30)
+    assert hammer.returncode == 0, err
+    result = json.loads(out)
+    assert result["calls"] > 100 and result["errors"] == [], result
+    log = (t.root / "logs/fs.log").read_text()
+    assert "0 requests in flight at the takeover answered EIO" in log, log[-3000:]
+
+
 def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):
     """kill -9 of the holder and of shoal-fs: nothing keeps the session, the mount is
     dead (ENOTCONN). The next server detaches it and mounts anew (no FileExistsError on

@@ -731,6 +731,7 @@ def _lower_priority() -> None:
 
 
 HANDOVER_DRAIN = 5.0  # seconds a handover on a kernel without NOTIFY_RESEND waits for requests in flight
+WAKE_XATTR = "user.shoal.handover"  # the server's GETXATTR of its own root that wakes a reader (ENODATA)
 READAHEAD_KB = 1024  # the node passes [fetch] readahead_kb; this is for a server started alone
 
 
@@ -831,6 +832,29 @@ def tune_malloc() -> None:
         log.info("malloc left as it is: %s", e)
 
 
+def _drain(session: Session, mnt: str, deadline: float) -> None:
+    """A handover on a kernel without NOTIFY_RESEND: serve on until no request is in
+    flight, then stop the readers (so none reads a request between the last check and
+    the exit) and wait for what they took meanwhile; what is still in flight at
+    `deadline` the next server answers EIO (logged by both)."""
+    def busy() -> int:
+        return session.table.busy() if session.table is not None else 0
+
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def wake() -> None:
+        with contextlib.suppress(OSError):  # (ENODATA: its answer)
+            os.getxattr(mnt, WAKE_XATTR)
+
+    stopped = session.stop_reading(wake, deadline)
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if busy() or not stopped:
+        log.warning("handover of %s: %d requests still in flight after %.0f s (the next server answers them "
+                    "EIO)%s", mnt, busy(), HANDOVER_DRAIN, "" if stopped else "; a reader did not stop")
+
+
 def run(root: str, config: dict) -> int:
     os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     tune_malloc()
@@ -882,9 +906,7 @@ def run(root: str, config: dict) -> int:
         server.close()
         if stop["how"] == "handover":
             if not session.has_resend:  # the next server could only answer them EIO: let them end
-                drain = time.monotonic() + HANDOVER_DRAIN
-                while session.table is not None and session.table.busy() and time.monotonic() < drain:
-                    time.sleep(0.01)
+                _drain(session, mnt, time.monotonic() + HANDOVER_DRAIN)
             log.info("handing the FUSE session of %s over to the next server", mnt)
         else:
             unmount(mnt)

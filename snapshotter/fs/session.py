@@ -47,6 +47,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from snapshotter.fs import protocol as p
@@ -222,6 +223,7 @@ class Session:
         self.resent = 0  # requests the kernel sent again after our NOTIFY_RESEND
         self.failed_at_takeover = 0  # requests in flight at the takeover answered EIO (no resend)
         self.table: InFlight | None = None  # set by serve
+        self.stopping = False  # stop_reading: readers read no more requests
         self._done = threading.Event()
 
     @classmethod
@@ -328,6 +330,24 @@ class Session:
         """Wait until the connection ends (every reader has seen ENODEV)."""
         return self._done.wait(timeout)
 
+    def stop_reading(self, wake: Callable[[], object], deadline: float) -> bool:
+        """Let each reader answer the request it has and read no other (a handover on a
+        kernel without NOTIFY_RESEND: a request this process reads and cannot answer
+        before it exits, the next server could only answer EIO; one it leaves unread,
+        the next server reads and answers). A reader blocked in read(2) sees this only
+        with its next request: `wake` sends one to the mount (a GETXATTR of its root),
+        again until every reader has stopped. True when they all have by `deadline`."""
+        self.stopping = True
+
+        def poke() -> None:  # (daemon: a wake no reader takes is left to the next server)
+            while any(t.is_alive() for t in self.threads) and time.monotonic() < deadline:
+                wake()
+
+        threading.Thread(target=poke, name="shoal-fuse-wake", daemon=True).start()
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
     def _read_loop(self, handler: Handler, index: int) -> None:
         table = self.table
         assert table is not None
@@ -361,6 +381,8 @@ class Session:
                 except OSError as e:
                     log.error("FUSE reply refused: %s", e)
             table.answered(index)
+            if self.stopping:  # (stop_reading: what comes next is the next server's)
+                return
 
     def _handle(self, handler: Handler, data: memoryview) -> Reply:
         try:
