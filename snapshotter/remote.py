@@ -264,7 +264,9 @@ class RemoteLayers:
 
     def stop_if_idle(self) -> None:
         """At node stop: a layer file system server that serves no layer has nothing a
-        container could use; stop it (one that serves layers keeps running)."""
+        container could use; stop it (one that serves layers keeps running, and is no
+        longer supervised: the next node's start supervises it again)."""
+        self.fs.release()  # (a server stopped after this, by hand or by a test, stays stopped)
         try:
             if self.fs.running() and not self.fs.status().get("layers"):
                 self.fs.stop()

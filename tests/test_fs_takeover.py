@@ -25,7 +25,7 @@ import pytest
 from builder.convert import convert
 from builder.oci.refs import open_source
 from snapshotter.fs import holder
-from snapshotter.fs.client import FSClient
+from snapshotter.fs.client import WATCH_INTERVAL, FSClient
 from snapshotter.fs.session import NO_RESEND_ENV
 from snapshotter.remote import RemoteLayers
 from tests.lab.fromdir import ImageConfig, build_image
@@ -372,6 +372,25 @@ def test_an_upgrade_without_resend_answers_every_request_that_comes_meanwhile(in
     assert result["calls"] > 100 and result["errors"] == [], result
     log = (t.root / "logs/fs.log").read_text()
     assert "0 requests in flight at the takeover answered EIO" in log, log[-3000:]
+
+
+def test_a_stopped_node_restarts_no_layer_file_system_server(lazy_image, node_root):
+    """The node's stop leaves a server that serves layers running, unsupervised: one
+    stopped after it (by hand, or by what embedded the node) stays stopped, where the
+    node process's supervisor thread, still alive, would start it again."""
+    ref, manifest, _ = lazy_image
+    root, clients = node_root
+    layers = RemoteLayers(str(root))
+    clients.append(layers.fs)
+    layers.start()
+    layers.prepare("s", "", layer_labels(ref, manifest["layers"][0]))
+    layers.stop_if_idle()  # (the node's stop)
+    pid = layers.fs.ping()["pid"]
+    assert _running(pid)  # it serves a layer: it keeps running
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _running(pid), "the server's exit", timeout=30)
+    time.sleep(6 * WATCH_INTERVAL)  # (the supervisor would have restarted it by now)
+    assert layers.fs.restarts == 0 and not _answers(root)
 
 
 def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):
