@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/fleet_start.py [--quick] [--json] [--nodes 2,4,6] [--rate 1000]
                                           [--registry-rate 1000] [--small-from N] [--keep-work]
+                                          [--scenarios abcd] [--passthrough on|off|both]
 
 The lab (tests/lab/netlab.py): every node is a network namespace of its own with its own
 containerd and, for shoal, its own `shoal node` (swarm on), its link capped both ways with
@@ -24,6 +25,9 @@ Scenarios, per N:
   image's files), then once more after `echo 3 > /proc/sys/vm/drop_caches` (local_cold_start_s:
   the image on the node's disk, as a node has an image some time after it last ran it). preheat_s,
   preheat_origin_bytes and preheat_target_bytes (per node) are the hook's.
+
+--passthrough both runs each shoal scenario twice, with the nodes' FUSE passthrough
+(`[fetch] passthrough`, docs/snapshotter.md) and then without: the same run's A/B.
 
 Every node starts at the same moment (one barrier); time to first useful work is from
 there to the command's output on that node. Per run:
@@ -204,6 +208,7 @@ class Fleet:
         self.cpu = common.CpuGroups()
         self.spy_dir: Path | None = None
         self.perf = False
+        self.passthrough = True  # the nodes' [fetch] passthrough
         self.cpu.add("registry", [self.registry.proc.pid])
 
     def clients(self, argv: list) -> list:
@@ -261,7 +266,8 @@ class Fleet:
         servers: list[services.ContainerdServer] = []
         nodes: list[netlab.LabNode] = []
         try:
-            fetch = {} if profiled else {"prefetch_profiles": False}
+            fetch = {"passthrough": self.passthrough} if profiled else {"prefetch_profiles": False,
+                                                                          "passthrough": self.passthrough}
             nodes = netlab.start_nodes(self.lab, self.hosts[:n], d, region, self.registry, fetch=fetch,
                                        tables=lambda nd: {"containerd": {"address": str(nd / "c" / "containerd.sock")}})
             servers = [lazy_start.start_containerd_in(HostNs(node.host), node.dir / "c", self.procs,
@@ -465,7 +471,8 @@ def model(runs: list[dict]) -> list[dict]:
 
 
 def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, small_from: int | None,
-            keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None, perf: bool = False) -> dict:
+            keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None, perf: bool = False,
+            passthrough: tuple[bool, ...] = (True,)) -> dict:
     lazy_start.preflight()
     reason = netlab.lab_missing(fuse=True)
     if reason:
@@ -508,12 +515,16 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                     for n in ns:
                         if "a" in scenarios:
                             runs.append(fleet.containerd(n))
-                        if "b" in scenarios or not fleet.profile_published:
-                            runs.append(fleet.shoal(n, profiled=False))
-                        if "c" in scenarios:
-                            runs.append(fleet.shoal(n, profiled=True))
-                        if "d" in scenarios:
-                            runs.append(fleet.shoal(n, profiled=True, preheat=True))
+                        for pt in passthrough:
+                            fleet.passthrough = pt
+                            shoal_runs = []
+                            if "b" in scenarios or not fleet.profile_published:
+                                shoal_runs.append(fleet.shoal(n, profiled=False))
+                            if "c" in scenarios:
+                                shoal_runs.append(fleet.shoal(n, profiled=True))
+                            if "d" in scenarios:
+                                shoal_runs.append(fleet.shoal(n, profiled=True, preheat=True))
+                            runs += [{**r, "passthrough": pt} for r in shoal_runs]
                 finally:
                     procs.stop_all()
                     if fleet is not None:
@@ -603,6 +614,9 @@ def main() -> int:
                         "over every shoal start window into DIR")
     p.add_argument("--perf", action="store_true",
                    help="with --py-spy DIR: also `perf record -g` the same processes into DIR/LABEL.perf")
+    p.add_argument("--passthrough", choices=("on", "off", "both"), default="on",
+                   help="the shoal nodes' [fetch] passthrough; both: every shoal scenario once with it, then once "
+                        "without (runs carry \"passthrough\")")
     p.add_argument("--scenarios", default="abcd",
                    help="which of a, b, c, d to run (default abcd; c and d need the profile b publishes, so b "
                         "runs once anyway)")
@@ -617,7 +631,8 @@ def main() -> int:
         p.error("--nodes: between 1 and 100 nodes")
     try:
         figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work,
-                          args.scenarios, args.py_spy, args.perf)
+                          args.scenarios, args.py_spy, args.perf,
+                          {"on": (True,), "off": (False,), "both": (True, False)}[args.passthrough])
     except KeyboardInterrupt:
         common.say("interrupted; everything started was stopped")
         return 130

@@ -88,22 +88,41 @@ class ChunkStore:
                 self._counts[k] += v
 
     def get(self, digest: str) -> bytes | None:
+        got = self._read_verified(digest, keep_open=False)
+        return None if got is None else got[1]
+
+    def open_verified(self, digest: str) -> int | None:
+        """A read-only descriptor of the stored chunk, whose content was verified through
+        that very descriptor (a stored file is never written again: a new one is renamed
+        over it, and an eviction unlinks it, so the bytes behind the descriptor stay the
+        verified ones); None as for get(). The caller closes it."""
+        got = self._read_verified(digest, keep_open=True)
+        return None if got is None else got[0]
+
+    def _read_verified(self, digest: str, keep_open: bool) -> tuple[int, bytes] | None:
+        """(descriptor, content) of the stored chunk, verified, or None (a miss; a corrupt
+        file is removed and counted). The descriptor is -1 (closed) unless `keep_open`."""
         check_digest(digest)
-        path = self._dir.path(digest)
         with self._dir.reading(digest):
             try:
-                with open(path, "rb") as fh:
-                    data = fh.read()
+                fd = os.open(self._dir.path(digest), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             except FileNotFoundError:
                 self._count(misses=1)
                 return None
-            if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            good = False
+            try:
+                data = _read_all(fd)
+                good = "sha256:" + hashlib.sha256(data).hexdigest() == digest
+            finally:
+                if not keep_open or not good:
+                    os.close(fd)
+            if not good:
                 self._count(misses=1, corrupt=1)
                 self._dir.remove(digest)
                 return None
         self._dir.touch(digest)
         self._count(hits=1, bytes_read=len(data))
-        return data
+        return (fd if keep_open else -1), data
 
     def put(self, digest: str, data: bytes | bytearray | memoryview) -> bool:
         return self.put_many([(digest, data)])[0]
@@ -179,3 +198,12 @@ class ChunkStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_all(fd: int) -> bytes:
+    """What the file open at `fd` holds, from its start."""
+    parts, at = [], 0
+    while part := os.pread(fd, 1 << 24, at):
+        parts.append(part)
+        at += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -9,12 +9,15 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cache.loader import NodeChunkLoader, SingleFlight, WriteBehind
 from cache.memory import ChunkMemory
 from cache.origin import OriginSource
 from cache.source import BlobRef, Check, FetchChain, Source
+
+if TYPE_CHECKING:
+    from cache.store import ChunkStore
 
 log = logging.getLogger("shoal.node")
 
@@ -106,6 +109,7 @@ class DataPath:
     read_ranges: ReadRanges
     close: Callable[[float], None]  # write pending chunks (up to a timeout), stop the chain
     swarm_ops: ControlOps | None = None  # the swarm's control ops, when the chain has a swarm
+    store: ChunkStore | None = None  # the node's chunk store, when it has one (passthrough opens its files)
 
 
 MEMORY_FRACTION = 0.25  # of the machine's memory, at most, for decompressed chunks
@@ -147,4 +151,4 @@ def make_data_path(root: str, config: dict) -> DataPath:
             log.warning("stopping with chunks not yet in the chunk store (they will be fetched again)")
         chain.close()
 
-    return DataPath(loader, statistics, chain.read_ranges, close, swarm_ops)
+    return DataPath(loader, statistics, chain.read_ranges, close, swarm_ops, store)

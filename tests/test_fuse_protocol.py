@@ -292,6 +292,25 @@ def test_negotiate_with_a_new_kernel():
     assert n.read_buffer_size == (1 << 20) + 4096
 
 
+def test_passthrough_layouts_and_replies():
+    """The 7.40 layouts keep the 7.38 structs' sizes (what the header checks), with the
+    new fields where the padding was; a passthrough session declares a stack depth of 1
+    (the kernel takes FUSE_PASSTHROUGH only with one), any other declares none."""
+    assert p.OPEN_OUT_PASSTHROUGH.size == p.OPEN_OUT.size
+    assert p.OPEN_OUT_PASSTHROUGH.offsets["backing_id"] == p.OPEN_OUT.offsets["padding"]
+    assert p.INIT_OUT_PASSTHROUGH.size == p.INIT_OUT.size
+    assert p.INIT_OUT_PASSTHROUGH.offsets["max_stack_depth"] == p.INIT_OUT.offsets["unused"]
+    n = p.negotiate(init(45, EXT_INIT_FLAGS | p.FUSE_PASSTHROUGH), want=p.DEFAULT_FLAGS | p.FUSE_PASSTHROUGH)
+    assert n.passthrough and n.flags >> 32 == p.FUSE_PASSTHROUGH >> 32
+    out = fields_of(p.INIT_OUT_PASSTHROUGH, p.reply_init(2, n), 16)
+    assert out["max_stack_depth"] == p.PASSTHROUGH_STACK_DEPTH == 1 and out["flags2"] == p.FUSE_PASSTHROUGH >> 32
+    plain = p.negotiate(init(45, EXT_INIT_FLAGS | p.FUSE_PASSTHROUGH))  # (not asked for)
+    assert not plain.passthrough and fields_of(p.INIT_OUT_PASSTHROUGH, p.reply_init(2, plain), 16)[
+        "max_stack_depth"] == 0
+    opened = fields_of(p.OPEN_OUT_PASSTHROUGH, p.reply_open(3, 9, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, 42), 16)
+    assert opened == {"fh": 9, "open_flags": p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, "backing_id": 42}
+
+
 def test_negotiate_flags2_and_an_old_kernel():
     n = p.negotiate(init(45, EXT_INIT_FLAGS), want=p.FUSE_ASYNC_READ | p.FUSE_SECURITY_CTX)
     assert decode_init_out(p.reply_init(2, n))["flags2"] == p.FUSE_SECURITY_CTX >> 32

@@ -42,7 +42,16 @@ sizeof/offsetof of every struct and field in LAYOUTS). The Debian header is 7.38
 the running kernel (6.18) speaks 7.45; constants newer than 7.38 are defined here from
 the kernel's uapi header, each marked with the minor that added it. The 7.40 changes to
 structs we use keep their sizes (fuse_open_out.padding became backing_id,
-fuse_init_out.unused[0] became max_stack_depth); we leave both zero.
+fuse_init_out.unused[0] became max_stack_depth): OPEN_OUT_PASSTHROUGH and
+INIT_OUT_PASSTHROUGH are those 7.40 layouts (outside LAYOUTS, which the 7.38 header
+checks; a test checks that they keep the sizes and offsets of the old ones).
+
+Passthrough (7.40): a server that negotiated FUSE_PASSTHROUGH registers a file of its own
+with the connection (`backing_open`, an ioctl on /dev/fuse: CAP_SYS_ADMIN) and answers an
+OPEN with FOPEN_PASSTHROUGH and the backing id; the kernel then reads and maps that file
+for the opened one, and sends no READ. The kernel holds one backing file per inode while
+it is open that way, and fails with EIO an open that mixes passthrough and cached opens
+of one inode (fs/fuse/iomode.c).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import fcntl
 import json
 import stat as statmod
 import struct
@@ -196,6 +206,11 @@ FOPEN_CACHE_DIR = 1 << 3  # let the kernel cache the directory's READDIRPLUS res
 FOPEN_STREAM = 1 << 4
 FOPEN_NOFLUSH = 1 << 5  # no FLUSH on close
 FOPEN_PARALLEL_DIRECT_WRITES = 1 << 6
+FOPEN_PASSTHROUGH = 1 << 7  # 7.40: reads and mmap go to the backing file (open_out.backing_id)
+# 7.40: the ioctls on /dev/fuse that register a backing file (struct fuse_backing_map
+# {s32 fd; u32 flags; u64 padding}: _IOW(229, 1, 16 bytes)) and drop one (_IOW(229, 2, u32))
+FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
+FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
 
 FUSE_GETATTR_FH = 1 << 0  # fuse_getattr_in.getattr_flags: fh is valid
 FUSE_EXPIRE_ONLY = 1 << 0  # fuse_notify_inval_entry_out.flags (needs FUSE_HAS_EXPIRE_ONLY)
@@ -255,6 +270,8 @@ INIT_OUT = Layout("fuse_init_out", ("major", "I"), ("minor", "I"), ("max_readahe
                   ("max_background", "H"), ("congestion_threshold", "H"), ("max_write", "I"),
                   ("time_gran", "I"), ("max_pages", "H"), ("map_alignment", "H"), ("flags2", "I"),
                   ("unused", "28x"))
+INIT_OUT_PASSTHROUGH = Layout("fuse_init_out", *INIT_OUT.fields[:-1], ("max_stack_depth", "I"),
+                              ("unused", "24x"))  # 7.40
 # Times are uint64_t in the header; the kernel reads them as s64 (fuse_fillattr), so we
 # pack them signed: a file dated before 1970 stays before 1970.
 ATTR = Layout("fuse_attr", ("ino", "Q"), ("size", "Q"), ("blocks", "Q"), ("atime", "q"), ("mtime", "q"),
@@ -271,6 +288,7 @@ BATCH_FORGET_IN = Layout("fuse_batch_forget_in", ("count", "I"), ("dummy", "4x")
 GETATTR_IN = Layout("fuse_getattr_in", ("getattr_flags", "I"), ("dummy", "4x"), ("fh", "Q"))
 OPEN_IN = Layout("fuse_open_in", ("flags", "I"), ("open_flags", "I"))
 OPEN_OUT = Layout("fuse_open_out", ("fh", "Q"), ("open_flags", "I"), ("padding", "4x"))
+OPEN_OUT_PASSTHROUGH = Layout("fuse_open_out", ("fh", "Q"), ("open_flags", "I"), ("backing_id", "i"))  # 7.40
 READ_IN = Layout("fuse_read_in", ("fh", "Q"), ("offset", "Q"), ("size", "I"), ("read_flags", "I"),
                  ("lock_owner", "Q"), ("flags", "I"), ("padding", "4x"))
 RELEASE_IN = Layout("fuse_release_in", ("fh", "Q"), ("flags", "I"), ("release_flags", "I"),
@@ -594,6 +612,11 @@ class Negotiated:
         return bool(self.kernel_flags & FUSE_HAS_RESEND)
 
     @property
+    def passthrough(self) -> bool:
+        """FUSE_PASSTHROUGH was offered and taken: opens may name backing files."""
+        return bool(self.flags & FUSE_PASSTHROUGH)
+
+    @property
     def read_buffer_size(self) -> int:
         """The size of a /dev/fuse read buffer that any request fits (the kernel's minimum)."""
         return max(MIN_READ_BUFFER, self.max_write + 4096)
@@ -645,10 +668,34 @@ def negotiate(init: Init, *, want: int = DEFAULT_FLAGS, max_readahead: int = 1 <
 
 def reply_init(unique: int, n: Negotiated, *, max_background: int = 0, congestion_threshold: int = 0,
                time_gran: int = 1) -> bytes:
-    """fuse_init_out; max_background/congestion_threshold 0 keep the kernel's defaults."""
-    body = INIT_OUT.pack(KERNEL_VERSION, n.minor, n.max_readahead, n.flags & 0xFFFFFFFF, max_background,
-                         congestion_threshold, n.max_write, time_gran, n.max_pages, 0, n.flags >> 32)
+    """fuse_init_out; max_background/congestion_threshold 0 keep the kernel's defaults.
+    With passthrough, max_stack_depth is PASSTHROUGH_STACK_DEPTH (the kernel takes the
+    flag only with a depth of 1 or 2)."""
+    body = INIT_OUT_PASSTHROUGH.pack(KERNEL_VERSION, n.minor, n.max_readahead, n.flags & 0xFFFFFFFF,
+                                     max_background, congestion_threshold, n.max_write, time_gran, n.max_pages,
+                                     0, n.flags >> 32, PASSTHROUGH_STACK_DEPTH if n.passthrough else 0)
     return reply(unique, body)
+
+
+# The stack depth a passthrough session declares: its backing files must be on a file
+# system of depth 0 (ext4, xfs, tmpfs: not overlayfs), and the mount itself counts as
+# depth 1, so overlayfs over it still fits (depth 2, the kernel's most) but an overlayfs
+# over that one (an overlay made inside a container) does not.
+PASSTHROUGH_STACK_DEPTH = 1
+
+
+def backing_open(dev_fd: int, fd: int) -> int:
+    """Register open file `fd` with the FUSE connection of `dev_fd`: its backing id (> 0),
+    good until backing_close or the connection's end (the kernel keeps its own reference
+    to the file: `fd` may be closed). OSError: EPERM (no CAP_SYS_ADMIN, or no passthrough
+    on this connection), ELOOP (the file's file system is stacked too deep), ..."""
+    arg = bytearray(struct.pack("<iIQ", fd, 0, 0))
+    return int(fcntl.ioctl(dev_fd, FUSE_DEV_IOC_BACKING_OPEN, arg, True))
+
+
+def backing_close(dev_fd: int, backing_id: int) -> None:
+    """Drop a backing id (files open with it keep their backing file)."""
+    fcntl.ioctl(dev_fd, FUSE_DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)), True)
 
 
 # --- replies -------------------------------------------------------------------------------
@@ -724,9 +771,10 @@ def reply_attr(unique: int, attr: Attr, *, attr_valid_ns: int) -> bytes:
     return reply(unique, ATTR_OUT.pack(a, an, *attr.values()))
 
 
-def reply_open(unique: int, fh: int, open_flags: int = FOPEN_KEEP_CACHE) -> bytes:
-    """OPEN/OPENDIR: `fh` comes back in READ/READDIRPLUS/RELEASE of this open file."""
-    return reply(unique, OPEN_OUT.pack(fh, open_flags))
+def reply_open(unique: int, fh: int, open_flags: int = FOPEN_KEEP_CACHE, backing_id: int = 0) -> bytes:
+    """OPEN/OPENDIR: `fh` comes back in READ/READDIRPLUS/RELEASE of this open file;
+    `backing_id` (with FOPEN_PASSTHROUGH) names the file the kernel reads instead."""
+    return reply(unique, OPEN_OUT_PASSTHROUGH.pack(fh, open_flags, backing_id))
 
 
 def reply_statfs(unique: int, *, blocks: int, bfree: int, bavail: int, files: int, ffree: int,

@@ -86,6 +86,7 @@ from shoal.localrpc import Server as ControlServer
 from snapshotter.assemble import DataPath, make_data_path
 from snapshotter.fs import holder
 from snapshotter.fs import protocol as p
+from snapshotter.fs.backing import CACHED, Backings
 from snapshotter.fs.control import SOCKET_NAME, NodeControl
 from snapshotter.fs.proof import ProofError, prove_blob
 from snapshotter.fs.session import Session, unmount
@@ -139,6 +140,7 @@ class Layer:
     reads: int = 0
     read_bytes: int = 0
     errors: int = 0
+    passthrough_opens: int = 0  # opens answered with a backing file (backing.py)
     attrs: dict = field(default_factory=dict)  # inode within the layer -> protocol.Attr
     bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
@@ -188,6 +190,7 @@ class LayerFS:
         self.state = threading.RLock()  # the layer tables (see the class docstring)
         self._lock = threading.Lock()  # proofs, the TOC figures, layer numbers
         self.session: Session | None = None  # where notifications go (set by `run`)
+        self.backings: Backings | None = None  # passthrough opens (set by `run`)
         self.trace = AccessTrace()
         self.warmup = Warmup(self.loaders)
         self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs, TOCs
@@ -312,6 +315,8 @@ class LayerFS:
         except FileNotFoundError:
             pass
         view.reader.on_read = layer.traced.note
+        if self.backings is not None:
+            self.backings.attach(layer_id)  # (this connection's earlier decisions, if any)
         self.layers[layer_id] = layer
         self.by_number[layer.number] = layer
         log.info("loaded layer %s of %s (%d entries)", blob.digest, image or "?", len(view.reader.entries))
@@ -442,6 +447,8 @@ class LayerFS:
                 return False
             del self.by_number[layer.number]
             self.trace.forget(layer.blob.digest)
+            if self.backings is not None:
+                self.backings.detach(layer_id)
         if self.session is not None:  # best effort: the entry times out anyway
             self.session.notify(p.notify_inval_entry(p.ROOT_ID, layer_id.encode()))
         log.info("unloaded layer %s", layer.blob.digest)
@@ -455,11 +462,13 @@ class LayerFS:
                 "id": layer.id, "digest": layer.blob.digest, "image": layer.image,
                 "registry": layer.blob.registry, "repository": layer.blob.repository,
                 "reads": layer.reads, "read_bytes": layer.read_bytes, "errors": layer.errors,
+                "passthrough_opens": layer.passthrough_opens,
                 **figures, **self.proof_state(layer),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
         return {"layers": layers, "uptime_s": round(time.time() - self.started, 1), "ops": ops,
-                "prefetch": self.warmup.statistics()}
+                "prefetch": self.warmup.statistics(),
+                "passthrough": self.backings.statistics() if self.backings is not None else {"on": False}}
 
     def data_path_statistics(self) -> dict:
         """The figures of the whole data path the layers read through (memory, chunk
@@ -541,7 +550,7 @@ class LayerFS:
                 attr = self._root_attrs() if inode == p.ROOT_ID else self._attrs(*self._resolve(inode))
                 return [p.reply_attr(u, attr, attr_valid_ns=_ns(ROOT_TIMEOUT if inode == p.ROOT_ID else TIMEOUT))]
             case p.Open():
-                return [self.open(u, inode, req.flags)]
+                return self.open(u, inode, req.flags)
             case p.Opendir():
                 if inode != p.ROOT_ID:
                     layer, node = self._resolve(inode)
@@ -634,17 +643,73 @@ class LayerFS:
                       layer.image or "?", layer.bad)
             raise FUSEError(errno.EIO)
 
-    def open(self, u: int, inode: int, flags: int) -> bytes:
+    def open(self, u: int, inode: int, flags: int) -> list | None:
         layer, node = self._resolve(inode)
         self._refuse_bad(layer, node, "open")
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise FUSEError(errno.EROFS)
         if layer.view.stat(node).type != "reg":
             raise FUSEError(errno.EINVAL)
+        backings, session = self.backings, self.session
+        if backings is None or session is None or session.negotiated is None or not session.negotiated.passthrough:
+            return [self._open_reply(u, layer, inode, flags, CACHED)]
+        known = backings.known(inode)
+        if known is not None:
+            return [self._open_reply(u, layer, inode, flags, known)]
+        if backings.off:
+            return [self._open_reply(u, layer, inode, flags, backings.mode(layer.id, inode, lambda: None))]
+        # first open of this inode on this connection: its mode is decided by a worker
+        # (the chunk file is read and verified: the reader thread must not wait for it)
+        token = session.defer(u, inode)
+        self._read_pool.submit(self._open_first, u, layer, node, inode, flags, token)
+        return None
+
+    def _open_first(self, u: int, layer: Layer, node: Node, inode: int, flags: int, token: int) -> None:
+        assert self.backings is not None
+        try:
+            out = self._open_reply(u, layer, inode, flags,
+                                   self.backings.mode(layer.id, inode, lambda: self._chunk_file(layer, node)))
+        except Exception:  # the open's EIO, logged
+            log.exception("open of %s in layer %s of %s", node.path, layer.blob.digest, layer.image or "?")
+            out = p.reply_error(u, errno.EIO)
+        session = self.session
+        if session is not None:
+            try:
+                session.reply([out], token)
+            except OSError as e:
+                log.error("FUSE reply to an open refused: %s", e)
+
+    def _open_reply(self, u: int, layer: Layer, inode: int, flags: int, backing_id: int) -> bytes:
         # fh: the inode (what READ needs). No FLUSH at close: a read-only file has nothing to
         # flush, and a close must not wait for a server (a process forked to become the next
         # server closes the FUSE files it inherited before it serves)
-        return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
+        if backing_id == CACHED:
+            return p.reply_open(u, inode, p.FOPEN_KEEP_CACHE | p.FOPEN_NOFLUSH)
+        layer.passthrough_opens += 1
+        # (an O_DIRECT open of a passthrough inode: its reads come here, as any O_DIRECT read
+        # does, where the store's file system would want aligned buffers; its maps still go
+        # to the backing file, and the inode stays in the one mode the kernel allows)
+        direct = p.FOPEN_DIRECT_IO if flags & os.O_DIRECT else 0
+        return p.reply_open(u, inode, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH | direct, backing_id)
+
+    def _chunk_file(self, layer: Layer, node: Node) -> int | None:
+        """A verified descriptor of the file's content when it is one chunk held in the
+        chunk store, else None (the file is read through this process). The chunk counts
+        as read for the layer's access trace: its reads will not come here."""
+        store = self.data_path.store if self.data_path is not None else None
+        if store is None:
+            return None
+        size = layer.view.stat(node).size
+        chunks = layer.view.reader.chunks_for(node.path, 0, size) if size else []
+        if len(chunks) != 1:
+            return None
+        c = chunks[0]
+        if c.zeros or not c.digest or c.file_offset != 0 or c.size != size:
+            return None
+        fd = store.open_verified(c.digest)
+        if fd is not None and layer.view.reader.on_read is not None:
+            layer.view.reader.on_read(chunks)
+        return fd
 
     def read(self, u: int, fh: int, off: int, size: int) -> list | None:
         layer, node = self._resolve(fh)
@@ -855,6 +920,26 @@ def _drain(session: Session, mnt: str, deadline: float) -> None:
                     "EIO)%s", mnt, busy(), HANDOVER_DRAIN, "" if stopped else "; a reader did not stop")
 
 
+def _backings(fs: LayerFS, session: Session, config: dict) -> Backings:
+    """The session's passthrough state: a takeover's takes up the records of its
+    predecessor (whose backing ids the connection keeps), a new mount's starts with none
+    and asks the kernel for passthrough unless [fetch] passthrough is false or there is
+    no chunk store."""
+    backings = Backings(session.fd, os.path.join(fs.root, "layers"))
+    if not config.get("passthrough", True):
+        backings.off = "[fetch] passthrough = false"
+    elif fs.data_path is None or fs.data_path.store is None:
+        backings.off = "no chunk store"
+    if session.took_over:
+        for layer_id in list(fs.layers):
+            backings.attach(layer_id)
+    else:
+        backings.reset()
+        if not backings.off:
+            session.want |= p.FUSE_PASSTHROUGH
+    return backings
+
+
 def run(root: str, config: dict) -> int:
     os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     tune_malloc()
@@ -871,6 +956,7 @@ def run(root: str, config: dict) -> int:
     logs = os.path.join(root, "logs")
     session = fs.session = open_session(root, mnt, os.path.join(logs, "fs-holder.log") if os.path.isdir(logs) else None,
                                         fs.describe)
+    fs.backings = _backings(fs, session, config)
     if not session.took_over:
         readahead_kb = int(config.get("readahead_kb", READAHEAD_KB))
         keep = session.on_init

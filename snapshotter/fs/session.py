@@ -224,6 +224,7 @@ class Session:
         self.failed_at_takeover = 0  # requests in flight at the takeover answered EIO (no resend)
         self.table: InFlight | None = None  # set by serve
         self.stopping = False  # stop_reading: readers read no more requests
+        self.want = p.DEFAULT_FLAGS  # the INIT flags this server asks for (a new mount's)
         self._done = threading.Event()
 
     @classmethod
@@ -397,7 +398,7 @@ class Session:
             if no_resend():  # the test knob: as if the kernel had not offered it
                 req = dataclasses.replace(req, flags=req.flags & ~p.FUSE_HAS_RESEND)
             try:
-                self.negotiated = p.negotiate(req, max_write=MAX_WRITE)
+                self.negotiated = p.negotiate(req, want=self.want, max_write=MAX_WRITE)
             except p.ProtocolError as e:
                 log.error("%s", e)
                 return [p.reply_error(req.header.unique, errno.EPROTO)]

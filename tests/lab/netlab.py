@@ -116,6 +116,16 @@ def _netns(host: Host) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{host.ns}", "--"]
 
 
+def pids_naming(marker: str) -> set[int]:
+    """The processes whose command line has `marker` as one argument (a node root: the
+    layer file system server and holder of that root, whoever started them)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _process_has(int(name), marker):
+            found.add(int(name))
+    return found - {os.getpid()}
+
+
 def _process_has(pid: int, marker: str) -> bool:
     """Whether process `pid` is still the one whose command line names `marker`."""
     try:
@@ -233,9 +243,6 @@ class Lab:
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
 
     def close(self) -> None:
-        for root in self.node_roots:  # a layer file system server (and holder) that started unseen
-            for pid in fs_pids(root):
-                self.adopt(pid, str(root))
         for proc in self.procs:
             if proc.poll() is None:
                 try:
@@ -250,6 +257,10 @@ class Lab:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        # (after the nodes: a node's supervisor restarts a server it sees gone)
+        for root in self.node_roots:  # a layer file system server (and holder) that started unseen
+            for pid in fs_pids(root) | pids_naming(str(root)):
+                self.adopt(pid, str(root))
         for pid, marker in self.adopted:
             self.stop_pid(pid, marker)
         self.adopted.clear()
@@ -713,9 +724,9 @@ class LabNode:
         and leaves a dead FUSE mount behind (unmount())."""
         root = str(self.root)
         pids = {p for p, marker in lab.adopted if marker == root} | fs_pids(root)
-        for pid in pids - {None}:
+        lab.kill(self.proc, sig)  # first: its supervisor would start a server again after the one stopped
+        for pid in (pids | pids_naming(root)) - {None}:  # (and one it was starting)
             lab.stop_pid(pid, root, sig)
-        lab.kill(self.proc, sig)
 
     def unmount(self) -> list[str]:
         return unmount_under(self.root)
