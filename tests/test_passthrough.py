@@ -64,8 +64,10 @@ def node(tmp_path):
         assert not os.path.ismount(made[-1].fs.mnt)
 
 
-def _warm(layers: RemoteLayers, layer: dict) -> None:
-    """Every chunk of the layer in the node's store (a preheat's `full` warm-up)."""
+def _warm(layers: RemoteLayers, layer: dict, restart: bool = True) -> None:
+    """Every chunk of the layer in the node's store (a preheat's `full` warm-up), and
+    then (`restart`) a new server and mount, as after a node's restart: the store warm,
+    the memory cache empty (a chunk in memory is served from there, not passthrough)."""
     layers.fs.prefetch(whole=[layer["digest"]])
 
     def warm() -> bool:
@@ -73,6 +75,9 @@ def _warm(layers: RemoteLayers, layer: dict) -> None:
         return ly["target_bytes"] > 0 and ly["warm_bytes"] == ly["target_bytes"]
 
     wait_for(warm, "the layer in the chunk store", timeout=60)
+    if restart:
+        layers.fs.stop()
+        layers.fs.supervise()  # (it restores the layer from ROOT/layers)
 
 
 def _layer_status(layers: RemoteLayers, layer: dict) -> dict:
@@ -94,6 +99,11 @@ def test_a_file_of_one_stored_chunk_is_read_and_mapped_from_the_store(node, tree
     layers = node()
     mount, layer = prepare_tree(layers, module_registry.host, "passthrough/read", tree[0], tmp_path)
     files = tree[1]
+    _warm(layers, layer, restart=False)
+    cold = _layer_status(layers, layer)
+    assert _read(mount / "data/d") == files["d"]  # its chunk is in memory: served from there
+    assert _layer_status(layers, layer)["passthrough_opens"] == 0 and _layer_status(layers, layer)["reads"] > cold[
+        "reads"]
     _warm(layers, layer)
     before = _layer_status(layers, layer)
     assert layers.fs.status()["passthrough"]["on"] is True
@@ -126,23 +136,22 @@ def test_a_takeover_answers_opens_as_the_dead_server_did(node, tree, module_regi
     """A file open through passthrough (and mapped) when shoal-fs is killed -9: the
     supervisor's new server takes the session over and opens that file again with the
     same backing file (another one would be the kernel's EIO), and a file the dead one
-    left to the cached path stays there."""
+    left to the cached path (several chunks) stays there."""
     layers = node()
     mount, layer = prepare_tree(layers, module_registry.host, "passthrough/takeover", tree[0], tmp_path)
     files = tree[1]
-    assert _read(mount / "data/d") == files["d"]  # cold: decided cached for this connection
     _warm(layers, layer)
     wait_for(lambda: (holder.ping(layers.fs.root) or {}).get("holding"), "the holder", timeout=10)
     with open(mount / "data/c", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m, \
-            open(mount / "data/d", "rb") as d:
+            open(mount / "data/big", "rb") as d:
         assert _layer_status(layers, layer)["passthrough_opens"] == 1
         first = layers.fs.ping()["pid"]
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: layers.fs.restarts >= 1, "the supervisor's restart", timeout=60)
         assert layers.fs.ping()["pid"] != first
         assert _read(mount / "data/c") == files["c"]  # a second open, while the first is open
-        assert _read(mount / "data/d") == files["d"]
-        assert m[:] == files["c"] and f.read() == files["c"] and d.read() == files["d"]
+        assert _read(mount / "data/big") == files["big"]
+        assert m[:] == files["c"] and f.read() == files["c"] and d.read() == files["big"]
         status = _layer_status(layers, layer)
         assert status["passthrough_opens"] == 1  # (the new server's count: c once)
         assert "taking over the FUSE session" in (Path(layers.fs.root) / "logs/fs.log").read_text()

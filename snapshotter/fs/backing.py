@@ -54,6 +54,7 @@ class Backings:
         self._lock = threading.Lock()
         self._modes: dict[int, int] = {}  # inode -> backing id (CACHED: not passthrough)
         self._inodes: dict[str, list[int]] = {}  # layer id -> its decided inodes
+        self._fds: dict[str, int] = {}  # layer id -> its record, open for appending
         self._gates: dict[int, threading.Lock] = {}  # inode -> the lock of its first open's decision
         self.opened = 0  # backing files registered by this process
 
@@ -95,6 +96,9 @@ class Backings:
         with self._lock:
             inodes = self._inodes.pop(layer_id, [])
             ids = {self._modes.pop(i, CACHED) for i in inodes} - {CACHED}
+            fd = self._fds.pop(layer_id, None)
+        if fd is not None:
+            os.close(fd)
         for backing_id in ids:
             try:
                 p.backing_close(self.dev_fd, backing_id)
@@ -123,12 +127,7 @@ class Backings:
                 return known
             backing_id = self._register(open_chunk) if not self.off else CACHED
             try:
-                fd = os.open(self._record(layer_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                             | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.write(fd, b"%d %d\n" % (inode, backing_id))  # (one append: whole lines)
-                finally:
-                    os.close(fd)
+                os.write(self._record_fd(layer_id), b"%d %d\n" % (inode, backing_id))  # (one append: whole lines)
             except OSError as e:  # unrecorded, a takeover could answer it otherwise: not passthrough
                 log.error("cannot record the open mode of inode %#x in %s: %s", inode, self._record(layer_id), e)
                 if backing_id != CACHED:
@@ -140,6 +139,18 @@ class Backings:
                 self._inodes.setdefault(layer_id, []).append(inode)
                 self._gates.pop(inode, None)
             return backing_id
+
+    def _record_fd(self, layer_id: str) -> int:
+        """The layer's record, open for appending (kept open until `detach`)."""
+        fd = self._fds.get(layer_id)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(layer_id)
+                if fd is None:
+                    fd = self._fds[layer_id] = os.open(
+                        self._record(layer_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                        0o600)
+        return fd
 
     def _register(self, open_chunk: Callable[[], int | None]) -> int:
         fd = open_chunk()

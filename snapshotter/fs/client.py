@@ -125,11 +125,13 @@ class FSClient:
             with self._start_lock:
                 if self._stopped:
                     continue
+                if self.running():  # (one started meanwhile: by supervise, or the node's prepare)
+                    continue
                 log.warning("layer file system server (pid %s) does not answer: restarting it (restart %d)",
                             self.pid, self.restarts + 1)
                 try:
-                    self._ensure_running(30.0)
-                    self.restarts += 1
+                    if self._ensure_running(30.0):
+                        self.restarts += 1
                     wait = RESTART_BACKOFF[0]
                     continue
                 except ShoalError as e:
@@ -137,9 +139,10 @@ class FSClient:
             time.sleep(wait)
             wait = min(wait * 2, RESTART_BACKOFF[1])
 
-    def _ensure_running(self, timeout: float) -> None:
+    def _ensure_running(self, timeout: float) -> bool:
+        """Start a server unless one runs; True when this call started it."""
         if self.running():
-            return
+            return False
         private_dir(os.path.join(self.root, "logs"))
         log_path = os.path.join(self.root, "logs", "fs.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -162,7 +165,7 @@ class FSClient:
                 raise ShoalError(f"layer file system server exited with {proc.returncode}: {why} (log: {log_path})")
             if self.running():
                 log.info("layer file system server running (pid %d) at %s", self.pid, self.mnt)
-                return
+                return True
             time.sleep(0.05)
         raise ShoalError(f"layer file system server did not start within {timeout:.0f}s (log: {log_path})")
 

@@ -656,19 +656,43 @@ class LayerFS:
         known = backings.known(inode)
         if known is not None:
             return [self._open_reply(u, layer, inode, flags, known)]
-        if backings.off:
+        chunk = None if backings.off else self._passthrough_chunk(layer, node)
+        if chunk is None:  # decided here: the cached path
             return [self._open_reply(u, layer, inode, flags, backings.mode(layer.id, inode, lambda: None))]
-        # first open of this inode on this connection: its mode is decided by a worker
-        # (the chunk file is read and verified: the reader thread must not wait for it)
+        # first open of this inode on this connection, its chunk in the store: a worker
+        # reads and verifies the chunk's file (the reader thread must not wait for that)
         token = session.defer(u, inode)
-        self._read_pool.submit(self._open_first, u, layer, node, inode, flags, token)
+        self._read_pool.submit(self._open_first, u, layer, node, chunk, inode, flags, token)
         return None
 
-    def _open_first(self, u: int, layer: Layer, node: Node, inode: int, flags: int, token: int) -> None:
+    def _passthrough_chunk(self, layer: Layer, node: Node) -> Chunk | None:
+        """The one chunk of the file's content if the file is worth a backing file: it
+        is one chunk, held in the chunk store and not in memory. A chunk in memory is
+        cheaper to serve from there (a READ costs less than reading and hashing the
+        store's file to open it: measured, docs/snapshotter.md); one not in the store
+        makes the first read fetch it, and the inode stays on the cached path."""
+        store = self.data_path.store if self.data_path is not None else None
+        if store is None:
+            return None
+        size = layer.view.stat(node).size
+        reader = layer.view.reader
+        chunks = reader.chunks_for(node.path, 0, size) if size else []
+        if len(chunks) != 1:
+            return None
+        c = chunks[0]
+        if c.zeros or not c.digest or c.file_offset != 0 or c.size != size:
+            return None
+        memory = reader.memory
+        if isinstance(memory, ChunkMemory) and memory.contains(reader.memory_key(c)):
+            return None
+        return c if store.contains(c.digest) else None
+
+    def _open_first(self, u: int, layer: Layer, node: Node, chunk: Chunk, inode: int, flags: int,
+                    token: int) -> None:
         assert self.backings is not None
         try:
             out = self._open_reply(u, layer, inode, flags,
-                                   self.backings.mode(layer.id, inode, lambda: self._chunk_file(layer, node)))
+                                   self.backings.mode(layer.id, inode, lambda: self._chunk_file(layer, chunk)))
         except Exception:  # the open's EIO, logged
             log.exception("open of %s in layer %s of %s", node.path, layer.blob.digest, layer.image or "?")
             out = p.reply_error(u, errno.EIO)
@@ -692,23 +716,14 @@ class LayerFS:
         direct = p.FOPEN_DIRECT_IO if flags & os.O_DIRECT else 0
         return p.reply_open(u, inode, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH | direct, backing_id)
 
-    def _chunk_file(self, layer: Layer, node: Node) -> int | None:
-        """A verified descriptor of the file's content when it is one chunk held in the
-        chunk store, else None (the file is read through this process). The chunk counts
-        as read for the layer's access trace: its reads will not come here."""
-        store = self.data_path.store if self.data_path is not None else None
-        if store is None:
-            return None
-        size = layer.view.stat(node).size
-        chunks = layer.view.reader.chunks_for(node.path, 0, size) if size else []
-        if len(chunks) != 1:
-            return None
-        c = chunks[0]
-        if c.zeros or not c.digest or c.file_offset != 0 or c.size != size:
-            return None
-        fd = store.open_verified(c.digest)
+    def _chunk_file(self, layer: Layer, chunk: Chunk) -> int | None:
+        """A descriptor of the chunk's store file, verified (None: gone, or it did not
+        verify; the file is read through this process). The chunk counts as read for the
+        layer's access trace: its reads will not come here."""
+        assert self.data_path is not None and self.data_path.store is not None
+        fd = self.data_path.store.open_verified(chunk.digest)
         if fd is not None and layer.view.reader.on_read is not None:
-            layer.view.reader.on_read(chunks)
+            layer.view.reader.on_read([chunk])
         return fd
 
     def read(self, u: int, fh: int, off: int, size: int) -> list | None:
