@@ -614,7 +614,7 @@ def main() -> int:
                         "over every shoal start window into DIR")
     p.add_argument("--perf", action="store_true",
                    help="with --py-spy DIR: also `perf record -g` the same processes into DIR/LABEL.perf")
-    p.add_argument("--passthrough", choices=("on", "off", "both"), default="on",
+    p.add_argument("--passthrough", choices=("on", "off", "both", "off,on"), default="on",
                    help="the shoal nodes' [fetch] passthrough; both: every shoal scenario once with it, then once "
                         "without (runs carry \"passthrough\")")
     p.add_argument("--scenarios", default="abcd",
@@ -632,7 +632,7 @@ def main() -> int:
     try:
         figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work,
                           args.scenarios, args.py_spy, args.perf,
-                          {"on": (True,), "off": (False,), "both": (True, False)}[args.passthrough])
+                          {"on": (True,), "off": (False,), "both": (True, False), "off,on": (False, True)}[args.passthrough])
     except KeyboardInterrupt:
         common.say("interrupted; everything started was stopped")
         return 130

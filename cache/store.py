@@ -201,9 +201,14 @@ class ChunkStore:
 
 
 def _read_all(fd: int) -> bytes:
-    """What the file open at `fd` holds, from its start."""
-    parts, at = [], 0
-    while part := os.pread(fd, 1 << 24, at):
+    """What the file open at `fd` holds, from its start (one read of its size, as a
+    stored file never changes; more only if it is longer than it said)."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size + 1, 0)  # (one byte more: a file that grew says so here)
+    if len(data) <= size:
+        return data
+    parts, at = [data], len(data)
+    while part := os.pread(fd, 1 << 20, at):
         parts.append(part)
         at += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return b"".join(parts)
