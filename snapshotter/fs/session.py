@@ -343,6 +343,7 @@ class Session:
         def poke() -> None:  # (daemon: a wake no reader takes is left to the next server)
             while any(t.is_alive() for t in self.threads) and time.monotonic() < deadline:
                 wake()
+                time.sleep(0.001)  # (a wake that fails at once must not spin)
 
         threading.Thread(target=poke, name="shoal-fuse-wake", daemon=True).start()
         for t in self.threads:
