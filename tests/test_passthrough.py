@@ -200,3 +200,27 @@ def test_no_open_of_a_layer_marked_bad_and_none_passthrough_when_off(node, tree,
     status = off.fs.status()
     assert status["passthrough"]["on"] is False and "passthrough = false" in status["passthrough"]["off_reason"]
     assert _layer_status(off, layer2)["passthrough_opens"] == 0
+
+
+def test_a_spoiled_record_is_read_line_by_line(tmp_path, caplog):
+    """A takeover takes up what it can of a layer's record: lines that are not two
+    numbers are skipped with a warning naming the file and line, the rest count; a
+    layer with no record names nothing; detach removes the record."""
+    from snapshotter.fs.backing import Backings
+
+    layer = tmp_path / "layers" / "ab12"
+    layer.mkdir(parents=True)
+    (layer / RECORD).write_bytes(b"77 0\nnot a line\n78 5 9\n79 3\n\xff\xfe\n79 4\n")
+    null = os.open(os.devnull, os.O_RDONLY)  # (not a FUSE connection: its ioctls are ENOTTY)
+    backings = Backings(null, str(tmp_path / "layers"))
+    with caplog.at_level("WARNING", logger="shoal.fs"):
+        assert backings.attach("ab12") == 2
+        assert backings.attach("none") == 0
+    assert backings.known(77) == 0 and backings.known(79) == 3 and backings.known(78) is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert sum("not 'INODE BACKING_ID'" in m for m in warned) == 3 and any(f"{RECORD} line 2" in m for m in warned)
+    try:
+        backings.detach("ab12")  # (closing id 3 fails, quietly: ENOTTY here)
+    finally:
+        os.close(null)
+    assert not (layer / RECORD).exists() and backings.known(79) is None
