@@ -224,3 +224,29 @@ def test_a_spoiled_record_is_read_line_by_line(tmp_path, caplog):
     finally:
         os.close(null)
     assert not (layer / RECORD).exists() and backings.known(79) is None
+
+
+def test_a_first_open_decided_while_its_layer_goes_records_nothing(tmp_path):
+    """An unload that comes while a worker decides a first open (here: in the middle of
+    it) leaves no record behind and keeps no mode for that inode; a layer attached again
+    starts clean."""
+    from snapshotter.fs.backing import CACHED, Backings
+
+    (tmp_path / "layers" / "cd34").mkdir(parents=True)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        backings = Backings(null, str(tmp_path / "layers"))
+        backings.attach("cd34")
+        assert backings.mode("cd34", 5, lambda: None) == CACHED  # (recorded: the layer lives)
+        record = tmp_path / "layers" / "cd34" / RECORD
+        assert record.read_text() == "5 0\n"
+
+        def unloaded_meanwhile() -> None:
+            backings.detach("cd34")
+
+        assert backings.mode("cd34", 6, unloaded_meanwhile) == CACHED
+        assert not record.exists() and backings.known(6) is None and backings.known(5) is None
+        backings.attach("cd34")
+        assert backings.mode("cd34", 7, lambda: None) == CACHED and record.read_text() == "7 0\n"
+    finally:
+        os.close(null)

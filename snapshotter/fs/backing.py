@@ -17,8 +17,10 @@ very descriptor (ChunkStore.open_verified); store files are never written in pla
 what the kernel reads is the verified chunk, even after the store evicts it (the kernel
 holds the file until the layer is unloaded).
 
-Threads: `mode` runs on the session's reader thread; `attach`/`detach` on the control
-socket's; one lock covers the tables.
+Threads: `mode` runs on the session's reader thread and the read workers; `attach` and
+`detach` on the control socket's; one lock covers the tables and the records' descriptors
+(a record is written and closed under it, so a write never goes to a reused descriptor
+number), and a first open decided while its layer is detached records nothing.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Backings:
         self._modes: dict[int, int] = {}  # inode -> backing id (CACHED: not passthrough)
         self._inodes: dict[str, list[int]] = {}  # layer id -> its decided inodes
         self._fds: dict[str, int] = {}  # layer id -> its record, open for appending
+        self._live: set[str] = set()  # layers attached and not detached (the ones a record is kept for)
         self._gates: dict[int, threading.Lock] = {}  # inode -> the lock of its first open's decision
         self.opened = 0  # backing files registered by this process
 
@@ -69,14 +72,17 @@ class Backings:
                     os.unlink(self._record(name))
 
     def attach(self, layer_id: str) -> int:
-        """Take up the layer's record (a predecessor's decisions on this connection):
-        how many inodes it names. A line that is not two numbers is skipped, logged."""
+        """Serve the layer's opens from now on (records are kept for it until `detach`),
+        taking up its record (a predecessor's decisions on this connection): how many
+        inodes it names. A line that is not two numbers is skipped, logged."""
         try:
             with open(self._record(layer_id), "rb") as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
-            return 0
+            lines = []
         got: dict[int, int] = {}
+        with self._lock:
+            self._live.add(layer_id)
         for n, line in enumerate(lines, 1):
             try:
                 inode, backing_id = (int(x) for x in line.split())
@@ -97,8 +103,9 @@ class Backings:
             inodes = self._inodes.pop(layer_id, [])
             ids = {self._modes.pop(i, CACHED) for i in inodes} - {CACHED}
             fd = self._fds.pop(layer_id, None)
-        if fd is not None:
-            os.close(fd)
+            self._live.discard(layer_id)
+            if fd is not None:
+                os.close(fd)  # (under the lock: no write of `mode` can use the number after this)
         for backing_id in ids:
             try:
                 p.backing_close(self.dev_fd, backing_id)
@@ -126,30 +133,33 @@ class Backings:
             if known is not None:
                 return known
             backing_id = self._register(open_chunk) if not self.off else CACHED
-            try:
-                os.write(self._record_fd(layer_id), b"%d %d\n" % (inode, backing_id))  # (one append: whole lines)
-            except OSError as e:  # unrecorded, a takeover could answer it otherwise: not passthrough
-                log.error("cannot record the open mode of inode %#x in %s: %s", inode, self._record(layer_id), e)
-                if backing_id != CACHED:
-                    with contextlib.suppress(OSError):
-                        p.backing_close(self.dev_fd, backing_id)
-                    backing_id = CACHED
             with self._lock:
+                self._gates.pop(inode, None)
+                if layer_id not in self._live:  # unloaded meanwhile: nothing to record, nothing kept
+                    self._close_id(backing_id)
+                    return CACHED
+                try:
+                    os.write(self._record_fd(layer_id), b"%d %d\n" % (inode, backing_id))  # (one append)
+                except OSError as e:  # unrecorded, a takeover could answer it otherwise: not passthrough
+                    log.error("cannot record the open mode of inode %#x in %s: %s", inode, self._record(layer_id),
+                              e)
+                    self._close_id(backing_id)
+                    backing_id = CACHED
                 self._modes[inode] = backing_id
                 self._inodes.setdefault(layer_id, []).append(inode)
-                self._gates.pop(inode, None)
             return backing_id
 
+    def _close_id(self, backing_id: int) -> None:
+        if backing_id != CACHED:
+            with contextlib.suppress(OSError):
+                p.backing_close(self.dev_fd, backing_id)
+
     def _record_fd(self, layer_id: str) -> int:
-        """The layer's record, open for appending (kept open until `detach`)."""
+        """The layer's record, open for appending (kept open until `detach`). Under the lock."""
         fd = self._fds.get(layer_id)
         if fd is None:
-            with self._lock:
-                fd = self._fds.get(layer_id)
-                if fd is None:
-                    fd = self._fds[layer_id] = os.open(
-                        self._record(layer_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                        0o600)
+            fd = self._fds[layer_id] = os.open(
+                self._record(layer_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         return fd
 
     def _register(self, open_chunk: Callable[[], int | None]) -> int:

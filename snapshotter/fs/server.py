@@ -945,13 +945,12 @@ def _backings(fs: LayerFS, session: Session, config: dict) -> Backings:
         backings.off = "[fetch] passthrough = false"
     elif fs.data_path is None or fs.data_path.store is None:
         backings.off = "no chunk store"
-    if session.took_over:
-        for layer_id in list(fs.layers):
-            backings.attach(layer_id)
-    else:
+    if not session.took_over:
         backings.reset()
         if not backings.off:
             session.want |= p.FUSE_PASSTHROUGH
+    for layer_id in list(fs.layers):  # (a takeover's: the records; a new mount's: none, the layers live)
+        backings.attach(layer_id)
     return backings
 
 
