@@ -461,8 +461,10 @@ class LayerEntries:
         # ancestors; forgotten whenever one of them is given a non-directory entry
         self._clear: set[str] = set()
 
-    def admit(self, name: str, type: str, linkname: str = "") -> str:
-        clean = clean_name(name, untrusted=True)
+    def admit(self, name: str, type: str, linkname: str = "", clean: str | None = None) -> str:
+        """`clean`: clean_name(name, untrusted=True), when the caller has it already."""
+        if clean is None:
+            clean = clean_name(name, untrusted=True)
         if not clean and type != "dir":
             raise FormatError("the layer root must be a directory")
         parent = clean.rpartition("/")[0]

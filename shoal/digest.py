@@ -7,11 +7,11 @@ import re
 
 from shoal.errors import DigestMismatch, FormatError
 
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def is_digest(value: object) -> bool:
-    return isinstance(value, str) and bool(_DIGEST_RE.match(value))
+    return isinstance(value, str) and bool(DIGEST_RE.match(value))
 
 
 def check_digest(value: object, what: str = "digest") -> str:
