@@ -6,8 +6,6 @@ import argparse
 import logging
 import signal
 
-from cache.region import backends
-from cache.region.config import load_config
 from shoal.errors import ShoalError, UsageError
 
 log = logging.getLogger("shoal.region")
@@ -41,6 +39,9 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_region(args: argparse.Namespace) -> int:
+    from cache.region import backends  # (here: every other command starts without them)
+    from cache.region.config import load_config
+
     try:
         import aiohttp  # noqa: F401
     except ImportError:

@@ -55,7 +55,11 @@ from snapshotter import DEFAULT_CONTAINERD_ADDRESS
 from snapshotter.metadata import MetaStore, Record
 from snapshotter.snapshotter import (
     BAD,
+    LABEL_CRI_IMAGE_REF,
+    LABEL_CRI_LAYER_DIGEST,
     LABEL_DIFF_ID,
+    LABEL_GATE,
+    LABEL_IMAGE_REF,
     LABEL_LAYER_DIGEST,
     LABEL_PROOF,
     PENDING,
@@ -72,10 +76,6 @@ log = logging.getLogger("shoal.proof")
 
 # On a Prepare/View: {"image": NAME, "layers": {CHAIN: LAYER DIGEST}}, what the image
 # being pulled names (shoal pull: its image record does not exist yet).
-LABEL_GATE = "containerd.io/snapshot/shoal.gate"
-LABEL_IMAGE_REF = "containerd.io/snapshot/shoal.image-ref"
-LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
-LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 RETRY_FIRST, RETRY_MAX = 60.0, 3600.0  # seconds between failed background attempts
 BAD_REMOVAL_WAIT = 5.0  # seconds a Prepare that finds a bad target waits for the worker to remove it
 BAD_SWEEP = 10.0  # seconds between looks for bad chains no container uses any more

@@ -32,9 +32,24 @@ from shoal import mediatypes as mt
 from shoal.digest import chain_id, sha256_digest
 from shoal.errors import FormatError, ShoalError, TransportError, UsageError
 from snapshotter import DEFAULT_CONTAINERD_ADDRESS as DEFAULT_ADDRESS
-from snapshotter import remote
-from snapshotter.chainproof import LABEL_GATE
-from snapshotter.snapshotter import BAD, LABEL_DIFF_ID, LABEL_PROOF, PROVEN, layer_kind
+from snapshotter.snapshotter import (
+    BAD,
+    LABEL_CRI_IMAGE_REF,
+    LABEL_CRI_LAYER_DIGEST,
+    LABEL_CRI_MANIFEST_DIGEST,
+    LABEL_DIFF_ID,
+    LABEL_GATE,
+    LABEL_IMAGE_REF,
+    LABEL_LAYER_DIGEST,
+    LABEL_LAYER_MEDIA_TYPE,
+    LABEL_LAYER_SIZE,
+    LABEL_PROOF,
+    LABEL_TARGET,
+    LABEL_TOC_DIGEST,
+    LABEL_TOC_POSITION,
+    PROVEN,
+    layer_kind,
+)
 
 log = logging.getLogger("shoal.pull")
 
@@ -195,7 +210,7 @@ class _Containerd:
 
     def prepare_remote(self, snapshotter: str, parent: str, labels: dict[str, str], what: str) -> None:
         pb = self.pb
-        key = f"shoal-pull-{secrets.token_hex(8)} {labels[remote.LABEL_TARGET]}"
+        key = f"shoal-pull-{secrets.token_hex(8)} {labels[LABEL_TARGET]}"
         req = pb.snapshots.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent)
         pb.labels_to_pb(req.labels, labels)
         try:
@@ -206,7 +221,7 @@ class _Containerd:
             # shoal's node names the image and layer itself; containerd appends its
             # error class (": unknown") to what the snapshotter said.
             details = _ERRDEFS_SUFFIX.sub("", e.details)
-            raise ShoalError(details if labels[remote.LABEL_LAYER_DIGEST] in details else str(e)) from None
+            raise ShoalError(details if labels[LABEL_LAYER_DIGEST] in details else str(e)) from None
         # An ordinary active snapshot: the snapshotter could not provide this layer.
         self.call(pb.snapshots_grpc.SnapshotsStub, "Remove",
                   pb.snapshots.RemoveSnapshotRequest(snapshotter=snapshotter, key=key), "remove")
@@ -244,21 +259,21 @@ _ERRDEFS_SUFFIX = re.compile(
 def layer_labels(name: str, layer: dict, chain: str, manifest_digest: str) -> dict[str, str]:
     """The remote-snapshot labels of one layer's Prepare (see snapshotter/remote.py)."""
     labels = {
-        remote.LABEL_TARGET: chain,
-        remote.LABEL_IMAGE_REF: name,
-        remote.LABEL_LAYER_DIGEST: layer["digest"],
-        remote.LABEL_LAYER_SIZE: str(layer.get("size", "")),
-        remote.LABEL_LAYER_MEDIA_TYPE: layer.get("mediaType", ""),
-        remote.LABEL_CRI_IMAGE_REF: name,
-        remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
-        remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
+        LABEL_TARGET: chain,
+        LABEL_IMAGE_REF: name,
+        LABEL_LAYER_DIGEST: layer["digest"],
+        LABEL_LAYER_SIZE: str(layer.get("size", "")),
+        LABEL_LAYER_MEDIA_TYPE: layer.get("mediaType", ""),
+        LABEL_CRI_IMAGE_REF: name,
+        LABEL_CRI_LAYER_DIGEST: layer["digest"],
+        LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
     }
     ann = layer.get("annotations") or {}
     loc = location_from_annotations(ann)
     if loc is not None:
-        labels[remote.LABEL_TOC_POSITION] = (
+        labels[LABEL_TOC_POSITION] = (
             ann.get(MANIFEST_POSITION) or f"{loc.toc.offset}:{loc.toc.length}:{loc.toc.uncompressed}:1")
-        labels[remote.LABEL_TOC_DIGEST] = ann.get(MANIFEST_CHECKSUM) or loc.toc_digest
+        labels[LABEL_TOC_DIGEST] = ann.get(MANIFEST_CHECKSUM) or loc.toc_digest
     return labels
 
 
@@ -271,9 +286,9 @@ def _check_present(ctr: _Containerd, snapshotter: str, name: str, layer: dict, c
     True: use it; False: it proved bad and the node removed it (provide it anew)."""
     if labels.get(LABEL_PROOF) == BAD:
         raise ShoalError(f"{what}: chain {chain} on this node holds a bad lazy layer (layer "
-                         f"{labels.get(remote.LABEL_LAYER_DIGEST, '?')}: its content is diff_id "
+                         f"{labels.get(LABEL_LAYER_DIGEST, '?')}: its content is diff_id "
                          f"{labels.get(LABEL_DIFF_ID, '?')}); it is removed once no container uses it")
-    provided_from = labels.get(remote.LABEL_LAYER_DIGEST) or labels.get(remote.LABEL_CRI_LAYER_DIGEST)
+    provided_from = labels.get(LABEL_LAYER_DIGEST) or labels.get(LABEL_CRI_LAYER_DIGEST)
     lazy = layer_kind(labels) == "lazy"
     if not lazy or labels.get(LABEL_PROOF) == PROVEN or provided_from in (None, layer["digest"]):
         return True
@@ -309,7 +324,7 @@ def _provide_layers(ctr: _Containerd, snapshotter: str, name: str, manifest_dige
             continue
         labels = layer_labels(name, layer, chain, manifest_digest)
         ctr.prepare_remote(snapshotter, chains[i - 1] if i else "", labels, what)
-        kind = "lazy" if remote.LABEL_TOC_POSITION in labels else "unpacked"
+        kind = "lazy" if LABEL_TOC_POSITION in labels else "unpacked"
         log.info("%s: %s", what, kind)
         pulled.append(PulledLayer(layer["digest"], chain, kind, layer.get("size")))
     return pulled

@@ -51,9 +51,17 @@ from shoal.fsutil import private_dir
 from snapshotter.fs.client import FSClient
 from snapshotter.nodefetch import BlobReader, NodeFetch, SwarmCopyBad, node_fetch
 from snapshotter.snapshotter import (
+    LABEL_CRI_IMAGE_REF,
+    LABEL_CRI_LAYER_DIGEST,
+    LABEL_CRI_MANIFEST_DIGEST,
     LABEL_DIFF_ID,
+    LABEL_IMAGE_REF,
     LABEL_LAYER_DIGEST,
+    LABEL_LAYER_MEDIA_TYPE,
+    LABEL_LAYER_SIZE,
     LABEL_PROOF,
+    LABEL_TOC_DIGEST,
+    LABEL_TOC_POSITION,
     PROVEN,
     ProofFailed,
     RemoteLayer,
@@ -62,18 +70,6 @@ from snapshotter.unpack import unpack
 
 log = logging.getLogger("shoal.remote")
 
-LABEL_TARGET = "containerd.io/snapshot.ref"
-LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
-LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
-LABEL_CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
-# Set by `shoal pull` (it has the manifest already). containerd passes a snapshotter only
-# labels named "containerd.io/snapshot/..." (snapshots.FilterInheritedLabels).
-_P = "containerd.io/snapshot/shoal."
-LABEL_IMAGE_REF = _P + "image-ref"
-LABEL_LAYER_SIZE = _P + "layer-size"
-LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
-LABEL_TOC_POSITION = _P + "toc-position"
-LABEL_TOC_DIGEST = _P + "toc-digest"
 
 
 class RemoteLayers:

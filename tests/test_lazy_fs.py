@@ -19,7 +19,7 @@ from builder.convert import convert
 from builder.format.footer import MANIFEST_CHECKSUM, MANIFEST_POSITION
 from builder.oci.refs import open_source
 from shoal.errors import DigestMismatch
-from snapshotter import remote
+from snapshotter import snapshotter as labels_of  # the remote-snapshot labels
 from snapshotter.remote import RemoteLayers
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, delta_layer, python_layer, special_layer
@@ -34,14 +34,14 @@ if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
 def layer_labels(image: str, layer: dict, toc_digest: str | None = None) -> dict:
     ann = layer.get("annotations") or {}
     labels = {
-        remote.LABEL_IMAGE_REF: image,
-        remote.LABEL_LAYER_DIGEST: layer["digest"],
-        remote.LABEL_LAYER_SIZE: str(layer["size"]),
-        remote.LABEL_LAYER_MEDIA_TYPE: layer["mediaType"],
+        labels_of.LABEL_IMAGE_REF: image,
+        labels_of.LABEL_LAYER_DIGEST: layer["digest"],
+        labels_of.LABEL_LAYER_SIZE: str(layer["size"]),
+        labels_of.LABEL_LAYER_MEDIA_TYPE: layer["mediaType"],
     }
     if MANIFEST_POSITION in ann:
-        labels[remote.LABEL_TOC_POSITION] = ann[MANIFEST_POSITION]
-        labels[remote.LABEL_TOC_DIGEST] = toc_digest or ann[MANIFEST_CHECKSUM]
+        labels[labels_of.LABEL_TOC_POSITION] = ann[MANIFEST_POSITION]
+        labels[labels_of.LABEL_TOC_DIGEST] = toc_digest or ann[MANIFEST_CHECKSUM]
     return labels
 
 
@@ -290,9 +290,9 @@ def test_cri_labels_alone_find_the_toc_through_the_manifest(image, node):
         manifest_digest = s.get_root().digest
     layer = manifest["layers"][0]
     labels = {
-        remote.LABEL_CRI_IMAGE_REF: ref,
-        remote.LABEL_CRI_LAYER_DIGEST: layer["digest"],
-        remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
+        labels_of.LABEL_CRI_IMAGE_REF: ref,
+        labels_of.LABEL_CRI_LAYER_DIGEST: layer["digest"],
+        labels_of.LABEL_CRI_MANIFEST_DIGEST: manifest_digest,
     }
     provided = layers.prepare("t", "", labels)
     assert provided.kind == "lazy"
@@ -409,7 +409,7 @@ def test_first_prepare_warms_the_image_s_other_layers(image, node):
     registry, ref, manifest, _ = image
     layers, _ = node
     manifest_digest = _manifest_digest(ref)
-    labels = [{**layer_labels(ref, ly), remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
+    labels = [{**layer_labels(ref, ly), labels_of.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
               for ly in manifest["layers"]]
     layers.prepare("l0", "", labels[0])
     others = {ly["digest"][7:] for ly in manifest["layers"][1:]}
@@ -431,7 +431,7 @@ def _manifest_digest(ref: str) -> str:
 
 def _prepare_image(layers: RemoteLayers, ref: str, manifest: dict, manifest_digest: str) -> list[Path]:
     """Prepare every layer the way CRI does (with the manifest digest label)."""
-    labels = [{**layer_labels(ref, ly), remote.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
+    labels = [{**layer_labels(ref, ly), labels_of.LABEL_CRI_MANIFEST_DIGEST: manifest_digest}
               for ly in manifest["layers"]]
     return [Path(layers.prepare(f"p{i}", "", lab).path) for i, lab in enumerate(labels)]
 

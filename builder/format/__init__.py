@@ -27,60 +27,25 @@ Callers import from the module that defines a name; the names below are re-expor
 for convenience.
 """
 
-from builder.format.footer import (
-    FOOTER_MAGIC,
-    FOOTER_SIZE,
-    MANIFEST_CHECKSUM,
-    MANIFEST_POSITION,
-    MANIFEST_TYPE_CRFS,
-    OLD_FOOTER_MAGIC,
-    OLD_FOOTER_SIZE,
-    OLD_MANIFEST_CHECKSUM,
-    OLD_MANIFEST_POSITION,
-    SKIPPABLE_MAGIC,
-    TARSPLIT_POSITION,
-    ZSTD_MAGIC,
-    Position,
-    TocLocation,
-    location_from_annotations,
-    parse_footer,
-    skippable_frame,
-)
-from builder.format.reader import ChunkLoader, ChunkMemo, LayerReader, RangeLoader, Stat, decode_chunk
-from builder.format.toc import Chunk, Entry, Toc, decompress_toc, format_timestamp, parse_toc
-from builder.format.writer import LayerResult, LayerWriter, WriterOptions
+from importlib import import_module
 
-__all__ = [
-    "FOOTER_MAGIC",
-    "FOOTER_SIZE",
-    "MANIFEST_CHECKSUM",
-    "MANIFEST_POSITION",
-    "MANIFEST_TYPE_CRFS",
-    "OLD_FOOTER_MAGIC",
-    "OLD_FOOTER_SIZE",
-    "OLD_MANIFEST_CHECKSUM",
-    "OLD_MANIFEST_POSITION",
-    "SKIPPABLE_MAGIC",
-    "TARSPLIT_POSITION",
-    "ZSTD_MAGIC",
-    "Chunk",
-    "ChunkLoader",
-    "ChunkMemo",
-    "Entry",
-    "LayerReader",
-    "LayerResult",
-    "LayerWriter",
-    "Position",
-    "RangeLoader",
-    "Stat",
-    "Toc",
-    "TocLocation",
-    "WriterOptions",
-    "decode_chunk",
-    "decompress_toc",
-    "format_timestamp",
-    "location_from_annotations",
-    "parse_footer",
-    "parse_toc",
-    "skippable_frame",
-]
+# name -> the module that defines it, imported on first use (PEP 562): a process that
+# needs the footer alone (`shoal pull`) does not pay for the writer's and reader's imports
+_HOME = {
+    **dict.fromkeys(("FOOTER_MAGIC", "FOOTER_SIZE", "MANIFEST_CHECKSUM", "MANIFEST_POSITION", "MANIFEST_TYPE_CRFS",
+                     "OLD_FOOTER_MAGIC", "OLD_FOOTER_SIZE", "OLD_MANIFEST_CHECKSUM", "OLD_MANIFEST_POSITION",
+                     "SKIPPABLE_MAGIC", "TARSPLIT_POSITION", "ZSTD_MAGIC", "Position", "TocLocation",
+                     "location_from_annotations", "parse_footer", "skippable_frame"), "footer"),
+    **dict.fromkeys(("ChunkLoader", "ChunkMemo", "LayerReader", "RangeLoader", "Stat", "decode_chunk"), "reader"),
+    **dict.fromkeys(("Chunk", "Entry", "Toc", "decompress_toc", "format_timestamp", "parse_toc"), "toc"),
+    **dict.fromkeys(("LayerResult", "LayerWriter", "WriterOptions"), "writer"),
+}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{home}"), name)
