@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -685,16 +686,23 @@ def test_the_in_flight_table_keeps_what_was_read_and_not_answered(tmp_path):
             done = table.defer(0x14, 11)
             table.done(done)  # answered by its worker
             table.defer(0x16, 1 << 32 | 5)
+            table.defer(0x18, 13, p.Opcode.OPEN)  # a first open decided on a worker
             busy = table.busy()
             with open(f"{path}.busy", "w") as f:
                 f.write(str(busy))
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
     os.waitpid(child, 0)
-    assert (tmp_path / "fs-inflight.busy").read_text() == "3"
+    assert (tmp_path / "fs-inflight.busy").read_text() == "4"
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     assert InFlight.pending(path) == [(0x10, p.Opcode.GETATTR, 7), (0x12, p.Opcode.READ, 9),
-                                      (0x16, p.Opcode.READ, 1 << 32 | 5)]
+                                      (0x16, p.Opcode.READ, 1 << 32 | 5), (0x18, p.Opcode.OPEN, 13)]
+    # a predecessor's table of version 1 (its deferred records: unique and nodeid, all READs)
+    old = tmp_path / "fs-inflight-v1"
+    buffers = request(p.Opcode.LOOKUP, 0x30, 3).ljust(4096, b"\0")
+    old.write_bytes(InFlight.HEADER.pack(InFlight.MAGIC, 1, 1, 4096, 2) + buffers
+                    + struct.pack("<QQQQ", 0x32, 21, 0, 0))
+    assert InFlight.pending(str(old)) == [(0x30, p.Opcode.LOOKUP, 3), (0x32, p.Opcode.READ, 21)]
     table = InFlight(path, 1, 8192)  # the next process's own table: nothing in flight
     table.buffer(0)[:p.IN_HEADER_SIZE] = request(p.Opcode.FORGET, 0x20, 7)
     assert InFlight.pending(path) == []

@@ -661,7 +661,7 @@ class LayerFS:
             return [self._open_reply(u, layer, inode, flags, backings.mode(layer.id, inode, lambda: None))]
         # first open of this inode on this connection, its chunk in the store: a worker
         # reads and verifies the chunk's file (the reader thread must not wait for that)
-        token = session.defer(u, inode)
+        token = session.defer(u, inode, p.Opcode.OPEN)
         self._read_pool.submit(self._open_first, u, layer, node, chunk, inode, flags, token)
         return None
 

@@ -62,7 +62,7 @@ MAX_WRITE = 4096  # a read-only file system takes no WRITE: the smallest read bu
 # (measured with 8: ~11 futex calls and ~1.5x the CPU per READ; bench/fs_read.py).
 # Whatever waits (the store, the network) goes to the server's worker threads.
 READER_THREADS = 1
-DEFERRED_SLOTS = 4096  # READs waiting for a worker at once that the in-flight table records
+DEFERRED_SLOTS = 4096  # requests waiting for a worker at once (READs, first OPENs) that the in-flight table records
 # A test and diagnostic knob: "1" makes shoal-fs act as on a kernel without
 # FUSE_NOTIFY_RESEND (INIT's FUSE_HAS_RESEND ignored; a takeover answers EIO instead).
 NO_RESEND_ENV = "SHOAL_FUSE_NO_RESEND"
@@ -92,27 +92,31 @@ def no_resend() -> bool:
     return os.environ.get(NO_RESEND_ENV) == "1"
 
 
+_RECORD_U64S = {1: 2, 2: 3}  # u64s per deferred record of an in-flight table, by version
+
+
 class InFlight:
     """The requests a session's process has read and not answered (module docstring).
 
     Layout of the file (little-endian): a 32-byte header (magic, version, readers,
     buffer size, slots), then `readers` read buffers of `buffer_size` bytes (a request as
     the kernel wrote it: its fuse_in_header's unique at offset 8, 0 once answered), then
-    `slots` records of (unique, nodeid) u64 pairs for READs handed to workers (unique 0:
-    free). `path` None: an anonymous table (nothing survives the process).
+    `slots` records of (unique, nodeid, opcode) u64 triples for requests handed to workers
+    (unique 0: free). Version 1 (a predecessor before OPENs were handed on) had (unique,
+    nodeid) pairs, all READs: pending() reads both. `path` None: an anonymous table (nothing survives the process).
 
     Threads: reader `i` alone uses buffer `i`; `defer`/`done` from any thread (the free
     list's pop/append are atomic under the GIL). Nothing here raises on the hot path.
     """
 
     MAGIC = b"shoalinf"
-    VERSION = 1
+    VERSION = 2
     HEADER = struct.Struct("<8sIIII8x")
 
     def __init__(self, path: str | None, readers: int, buffer_size: int, slots: int = DEFERRED_SLOTS):
         self.path, self.readers, self.buffer_size, self.slots = path, readers, buffer_size, slots
         self._slots_at = self.HEADER.size + readers * buffer_size
-        size = self._slots_at + 16 * slots
+        size = self._slots_at + 24 * slots
         if path is None:
             self._map: mmap.mmap | bytearray = bytearray(size)
         else:
@@ -140,7 +144,7 @@ class InFlight:
         """Reader `reader`'s request is answered (or handed on with `defer`)."""
         self._uniques[reader][0] = 0
 
-    def defer(self, unique: int, nodeid: int) -> int:
+    def defer(self, unique: int, nodeid: int, opcode: int = p.Opcode.READ) -> int:
         """Record a request answered later by another thread: the token for `done` (-1
         when the table is full: that request is not recorded)."""
         try:
@@ -148,19 +152,20 @@ class InFlight:
         except IndexError:
             self.overflow += 1
             return -1
-        self._deferred[2 * slot + 1] = nodeid
-        self._deferred[2 * slot] = unique
+        self._deferred[3 * slot + 1] = nodeid
+        self._deferred[3 * slot + 2] = opcode
+        self._deferred[3 * slot] = unique  # (last: a record with a unique is whole)
         return slot
 
     def done(self, token: int) -> None:
         if token >= 0:
-            self._deferred[2 * token] = 0
+            self._deferred[3 * token] = 0
             self._free.append(token)
 
     def busy(self) -> int:
         """How many requests are recorded now (read and not answered)."""
         return sum(1 for u in self._uniques if u[0]) + sum(
-            1 for i in range(0, 2 * self.slots, 2) if self._deferred[i])
+            1 for i in range(0, 3 * self.slots, 3) if self._deferred[i])
 
     @classmethod
     def pending(cls, path: str) -> list[tuple[int, int, int]]:
@@ -175,8 +180,9 @@ class InFlight:
         if len(data) < cls.HEADER.size:
             return []
         magic, version, readers, size, slots = cls.HEADER.unpack_from(data)
-        if (magic, version) != (cls.MAGIC, cls.VERSION) or size < p.IN_HEADER_SIZE or (
-                len(data) < cls.HEADER.size + readers * size + 16 * slots):
+        record = _RECORD_U64S.get(version, 0) if magic == cls.MAGIC else 0
+        if not record or size < p.IN_HEADER_SIZE or (
+                len(data) < cls.HEADER.size + readers * size + 8 * record * slots):
             log.warning("%s is not an in-flight table: ignored", path)
             return []
         found: dict[int, tuple[int, int, int]] = {}
@@ -186,9 +192,9 @@ class InFlight:
             if unique and opcode not in _NO_REPLY:
                 found.setdefault(unique, (unique, opcode, nodeid))
         at = cls.HEADER.size + readers * size
-        for unique, nodeid in struct.iter_unpack("<QQ", data[at:at + 16 * slots]):
+        for unique, nodeid, *opcode in struct.iter_unpack("<" + "Q" * record, data[at:at + 8 * record * slots]):
             if unique:
-                found.setdefault(unique, (unique, int(p.Opcode.READ), nodeid))
+                found.setdefault(unique, (unique, opcode[0] if opcode else int(p.Opcode.READ), nodeid))
         return sorted(found.values())
 
 
@@ -258,11 +264,11 @@ class Session:
             raise
         return True
 
-    def defer(self, unique: int, nodeid: int) -> int:
-        """A handler answers this request later from another thread: record it (the
-        token goes to `reply`). Call before handing the request on."""
+    def defer(self, unique: int, nodeid: int, opcode: int = p.Opcode.READ) -> int:
+        """A handler answers this request (`opcode`) later from another thread: record it
+        (the token goes to `reply`). Call before handing the request on."""
         table = self.table
-        return table.defer(unique, nodeid) if table is not None else -1
+        return table.defer(unique, nodeid, opcode) if table is not None else -1
 
     def reply(self, buffers: Buffers, token: int = -1) -> bool:
         """The reply to a request deferred with `defer` (its token), from any thread."""
