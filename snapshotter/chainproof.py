@@ -74,8 +74,6 @@ from snapshotter.snapshotter import (
 
 log = logging.getLogger("shoal.proof")
 
-# On a Prepare/View: {"image": NAME, "layers": {CHAIN: LAYER DIGEST}}, what the image
-# being pulled names (shoal pull: its image record does not exist yet).
 RETRY_FIRST, RETRY_MAX = 60.0, 3600.0  # seconds between failed background attempts
 BAD_REMOVAL_WAIT = 5.0  # seconds a Prepare that finds a bad target waits for the worker to remove it
 BAD_SWEEP = 10.0  # seconds between looks for bad chains no container uses any more

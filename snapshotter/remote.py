@@ -71,7 +71,6 @@ from snapshotter.unpack import unpack
 log = logging.getLogger("shoal.remote")
 
 
-
 class RemoteLayers:
     """The node's RemoteLayers (see snapshotter.snapshotter): lazy and node-unpacked layers."""
 

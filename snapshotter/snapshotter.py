@@ -80,10 +80,15 @@ OLD_LABEL_LAYER_KIND = "containerd.io/snapshot/shoal.layer-kind"
 # it, and its copy wins over the snapshotter's later labels. A lazy layer without
 # LABEL_PROOF is pending; a node-unpacked layer is PROVEN at its commit.
 LABEL_LAYER_DIGEST = "containerd.io/snapshot/shoal.layer-digest"  # the blob the layer was made from
+LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
+LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
+NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
+PENDING, PROVEN, BAD = "pending", "proven", "bad"
+
 # The remote-snapshot labels of a Prepare (containerd's own and CRI's, and shoal's: set by
 # `shoal pull`, which has the manifest already). containerd passes a snapshotter only
 # labels named "containerd.io/snapshot/..." (snapshots.FilterInheritedLabels).
-LABEL_TARGET = LABEL_SNAPSHOT_REF
+LABEL_TARGET = LABEL_SNAPSHOT_REF  # (the name RemoteLayers and `shoal pull` use)
 LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 LABEL_CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
@@ -93,11 +98,9 @@ LABEL_LAYER_SIZE = _P + "layer-size"
 LABEL_LAYER_MEDIA_TYPE = _P + "layer-media-type"
 LABEL_TOC_POSITION = _P + "toc-position"
 LABEL_TOC_DIGEST = _P + "toc-digest"
-LABEL_GATE = _P + "gate"  # the chain-proof gate of a Prepare (chainproof.py)
-LABEL_DIFF_ID = "containerd.io/snapshot/shoal.diff-id"
-LABEL_PROOF = "containerd.io/snapshot/shoal.proof"
-NODE_LABELS = (LABEL_DIFF_ID, LABEL_PROOF)
-PENDING, PROVEN, BAD = "pending", "proven", "bad"
+# On a Prepare/View: {"image": NAME, "layers": {CHAIN: LAYER DIGEST}}, what the image
+# being pulled names (shoal pull: its image record does not exist yet; chainproof.py).
+LABEL_GATE = _P + "gate"
 
 
 def layer_kind(labels: dict[str, str]) -> str:
