@@ -38,6 +38,9 @@ there to the command's output on that node. Per run:
   node's bytes from peers, region and origin once its layers are proven, which reads each
   layer's whole blob after the start: the largest over the nodes, one copy);
   start_read_bytes: the same when the last node's command answered (what the starts read);
+  region_origin: the region's own count of what it read from the origin (origin_bytes: its
+  fills; origin_range_bytes: its range reads; fill_reused_bytes: range read bytes its fills
+  took instead of reading them again);
   node_start_figures: per node, its seconds and its `shoal status` fetch figures (bytes by
   source, the swarm's counters) when the last node's command answered;
 - origin_bytes_ratio = origin_bytes / read_bytes; origin_image_ratio = origin_bytes / the
@@ -191,6 +194,22 @@ def wait_settled(lab: netlab.Lab, region: netlab.LabRegion, nodes: list[netlab.L
     common.say("fills or proofs still running after the wait")
 
 
+REGION_SPLIT = ("origin_bytes", "origin_range_bytes", "fill_reused_bytes", "range_reads", "range_joins",
+                "range_probes", "fills", "coalesced")
+
+
+def region_split(lab: netlab.Lab, region: netlab.LabRegion) -> dict:
+    """What the region read from the origin, by kind (its own count, beside the registry's
+    log): its fills' bytes, its range reads' bytes, and the range read bytes its fills took
+    instead of reading them again (what keeps the origin at one copy)."""
+    try:
+        status = region.status(lab)["region"]
+    except (RuntimeError, ValueError, KeyError) as e:
+        common.say(f"the region's status: {e}")
+        return {}
+    return {k: status.get(k, 0) for k in REGION_SPLIT}
+
+
 class Fleet:
     """The lab for a whole benchmark: hosts for the largest N, the registry host, the
     pushed image; runs one (N, scenario) at a time on cold nodes and a cold region."""
@@ -301,6 +320,7 @@ class Fleet:
             start_read = max((node_read(figs) for figs in at_start), default=0)
             wait_settled(self.lab, region, nodes)
             origin = registry_bytes(self.registry) - before
+            region_origin = region_split(self.lab, region)
             for node, r in zip(nodes, results, strict=True):
                 r.figures = node_figures(node, r)
             read = max((node_read(r.figures) for r in results), default=0)
@@ -338,6 +358,7 @@ class Fleet:
         out = self._summary(n, scenario, results, origin, read, self.image.shoal_bytes, from_region, peers,
                             cpu0, cpu1)
         out["start_read_bytes"] = start_read
+        out["region_origin"] = region_origin
         out["node_start_figures"] = [{"seconds": r.seconds, **figs} for r, figs in zip(results, at_start, strict=True)]
         out["cpu_s"] = self.cpu_seconds(w0, w1)
         if preheat:
@@ -526,6 +547,8 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                                 shoal_runs.append(fleet.shoal(n, profiled=True, preheat=True))
                             runs += [{**r, "passthrough": pt} for r in shoal_runs]
                 finally:
+                    if fleet is not None:  # the registry is the lab's (not a leftover of procs)
+                        lab.kill(fleet.registry.proc, signal.SIGTERM)
                     procs.stop_all()
                     if fleet is not None:
                         fleet.cpu.close()

@@ -270,6 +270,60 @@ def test_the_fill_takes_what_range_reads_brought_one_origin_copy_in_all(world, c
     assert len(world.origin_reads(digest)) == len(reads)  # served from the store
 
 
+def test_the_fill_leaves_out_the_small_runs_range_reads_bring_while_it_runs(world, capped_origin):
+    """A lazy start's first reads: its TOC at the blob's end, then chunks of about a MiB
+    scattered over the blob, all while the region's fill has only begun. The fill knows
+    the size (from the TOC's range read), so it asks the origin for a segment at a time
+    (FILL_SEGMENT) and plans each next request around the runs range reads brought,
+    shorter ones too (TAKE_PLANNED): it takes them from the staging file and the origin
+    serves one copy of the blob, not one plus those chunks."""
+    from cache.region.server import FILL_SEGMENT, TAKE_AT_LEAST, TAKE_PLANNED
+
+    size = 40 * MiB
+    assert FILL_SEGMENT < 34 * MiB and TAKE_PLANNED <= MiB < TAKE_AT_LEAST  # the case under test
+    data = random.Random(6).randbytes(size)
+    digest = world.push("ranges/scattered", data)
+    spans = [(size - MiB, size), (34 * MiB, 35 * MiB), (36 * MiB + MiB // 2, 37 * MiB + MiB // 2),
+             (38 * MiB, 39 * MiB)]
+    before = world.region.status(world.lab)["region"]
+    capped_origin()
+    url = f"{world.region.url}/v2/ranges/scattered/blobs/{digest}"
+
+    def get(host, a, b):
+        return world.lab.popen(host, [sys.executable, "-c", _GET_THEN_STATUS, url, str(a), str(b - 1),
+                                      world.region.url + "/-/status"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_trusting(world.region))
+
+    first = get(world.readers[0], *spans[0])  # the TOC: its range read starts the fill
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr.decode()[-2000:]
+    procs = [get(host, a, b) for host, (a, b) in zip(world.readers[1:], spans[1:], strict=True)]
+    for proc, (a, b) in zip([first, *procs], spans, strict=True):
+        if proc is not first:
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, stderr.decode()[-2000:]
+        answer = json.loads(stdout)
+        assert answer["code"] == 206 and answer["sha"] == hashlib.sha256(data[a:b]).hexdigest()
+        if proc is not first:  # answered ahead of the fill, while it ran
+            assert answer["status"]["filling"][digest]["written"] < a, answer["status"]["filling"]
+
+    status = _wait_committed(world, world.region, digest)
+    assert status["fills_committed"] == before["fills_committed"] + 1
+    reads = world.origin_reads(digest)
+    served = sum(written for _, written in reads)
+    print(f"origin answers {reads}; {served / size:.3f} bytes per blob byte")
+    assert all(code == 206 for code, _ in reads), reads  # (the fill knew the size: ranges only)
+    got = {k: status[k] - before[k] for k in ("origin_bytes", "origin_range_bytes", "fill_reused_bytes")}
+    assert got["origin_range_bytes"] == sum(b - a for a, b in spans), got
+    assert got["fill_reused_bytes"] == sum(b - a for a, b in spans), got  # every run taken, none read again
+    assert got["origin_bytes"] + got["fill_reused_bytes"] == size, got
+    assert served == size, reads  # one copy
+
+    out = world.lab.run(world.readers[0], [sys.executable, "-c", _GET_THEN_STATUS, url, "0", str(size - 1),
+                                           world.region.url + "/-/status"], timeout=120, env=_trusting(world.region))
+    assert json.loads(out.stdout)["sha"] == hashlib.sha256(data).hexdigest()  # the stored copy: whole and good
+
+
 _GET_OUTCOME = """
 import json, sys, urllib.request, http.client
 url, first, last = sys.argv[1:]

@@ -61,10 +61,13 @@ Blob requests, in order:
    staging file into its hash (moving its frontier over it under the lock, so nothing
    writes there after: the stored copy is still exactly what the fill hashed and
    checked against the digest; a range read's bad byte fails the commit), and goes on
-   with a range request from the first byte no range read holds: up to the next such
-   run (or a run of any length that ends the blob: a TOC), else `bytes=POS-` (an origin that ignores Range sends the whole blob: the fill
-   drops what it has and reads the rest). Its first request is a range too when range
-   reads run before it starts.
+   with a range request from the first byte no range read holds: up to the next run of
+   at least TAKE_PLANNED bytes that range reads hold or bring (or a run of any length
+   that ends the blob: a TOC), and at most FILL_SEGMENT bytes once it knows the blob's
+   size, so the range reads that come while it runs shape its next request and their
+   runs are not read twice; else `bytes=POS-` (an origin that ignores Range sends the
+   whole blob: the fill drops what it has and reads the rest). Its first request is a
+   range too when range reads run before it starts, or when it knows the size.
    So a cold blob costs the origin about one copy in all. A whole-blob answer takes
    from range reads only what the fill took. Counted: `origin_bytes` (the fill's
    origin bytes), `origin_range_bytes` (range reads), `fill_reused_bytes` (what the
@@ -115,6 +118,13 @@ MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range re
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 HOLD_SWEEP = 5.0  # seconds between looks for held fills whose holds ran out
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
+# ... for a run past the end of the fill's next request, which it plans before asking: a
+# run costs it one more request then, and no bytes in flight
+TAKE_PLANNED = 512 << 10
+# the most a fill asks the origin for at once, once it knows the blob's size: the range
+# reads that come meanwhile (a start's first reads, scattered over the blob) shape its
+# next request, which leaves out their runs instead of reading them again
+FILL_SEGMENT = 32 << 20
 # ... for the fill of a held blob (hold_fills): its range reads are done before it starts, so
 # a run costs it no bytes in flight, only the request for the gap before it
 TAKE_HELD = 64 << 10
@@ -1144,8 +1154,9 @@ class RegionCache:
     async def _stream_from_origin(self, fill: Fill, hasher, authorization: str | None) -> bool:
         """Append the blob from the origin to the fill from fill.written on: the whole
         blob (200) at first; once range reads are under way, or after a run taken from
-        them, a range (206): up to the next run of range read bytes worth taking
-        (_next_run), else to the end (`Range: bytes=POS-`). An origin that ignores
+        them, or once the fill knows the blob's size, a range (206): up to the next run
+        of range read bytes worth taking (_next_run), and at most FILL_SEGMENT bytes
+        when the size is known, else to the end (`Range: bytes=POS-`). An origin that ignores
         Range sends the whole blob: its bytes before POS are dropped, and the fill
         reads the rest of the blob from that answer. Returns True when the fill is to
         go on: its answer reached its bound, or it was cut (closed) at a run worth
@@ -1155,6 +1166,8 @@ class RegionCache:
         if fill.reading_ahead():
             await self._yield_to_ranges(fill)
         at, stop = fill.written, self._next_run(fill)
+        if fill.size is not None and fill.reuse and not fill.ranges_refused and at + FILL_SEGMENT < fill.size:
+            stop = min(stop, at + FILL_SEGMENT) if stop is not None else at + FILL_SEGMENT
         ranged = at > 0 or stop is not None
         asked = f"bytes={at}-{'' if stop is None else stop - 1}"
         try:
@@ -1227,13 +1240,16 @@ class RegionCache:
     @staticmethod
     def _next_run(fill: Fill) -> int | None:
         """Where the first run that range reads hold or bring begins past the fill's
-        position, of at least TAKE_AT_LEAST bytes or up to the blob's end (a lazy
-        start's TOC: no request after it), or None (none: the fill's next answer is the
-        rest of the blob; else it ends there)."""
+        position, of at least TAKE_PLANNED bytes (fill.take if less: a held fill's) or
+        up to the blob's end (a lazy start's TOC: no request after it), or None (none:
+        the fill's next answer is the rest of the blob, or its next segment; else it
+        ends there). The fill plans this request before it asks: a run costs it a
+        request, not the bytes an answer it cut would have had in flight."""
         if fill.ranges_refused or not fill.reuse:
             return None
+        take = min(fill.take, TAKE_PLANNED)
         starts = sorted(r.start for r in fill.ranges if r.start > fill.written)
-        return next((a for a in starts if fill.coming(a) - a >= fill.take or fill.coming(a) == fill.size), None)
+        return next((a for a in starts if fill.coming(a) - a >= take or fill.coming(a) == fill.size), None)
 
     async def _take_from_ranges(self, fill: Fill, hasher) -> None:
         """Move the fill over the run of bytes from its position that range reads have
