@@ -118,16 +118,16 @@ MAX_REUSE_REFUSED = 4096  # digests remembered whose fill must not take range re
 FILL_YIELD = 1.0  # seconds a fill waits for the range reads ahead of it, at most, before its next block
 HOLD_SWEEP = 5.0  # seconds between looks for held fills whose holds ran out
 TAKE_AT_LEAST = 4 << 20  # bytes range reads must hold from a fill's position on for it to take them
-# ... for a run past the end of the fill's next request, which it plans before asking: a
-# run costs it one more request then, and no bytes in flight
+# ... for a run that the fill's next request stops short of (planned before it asks, a
+# run costs it one more request, and no bytes in flight)
 TAKE_PLANNED = 512 << 10
+# ... for the fill of a held blob (hold_fills): its range reads are done before it starts, so
+# a run costs it no bytes in flight, only the request for the gap before it
+TAKE_HELD = 64 << 10
 # the most a fill asks the origin for at once, once it knows the blob's size: the range
 # reads that come meanwhile (a start's first reads, scattered over the blob) shape its
 # next request, which leaves out their runs instead of reading them again
 FILL_SEGMENT = 32 << 20
-# ... for the fill of a held blob (hold_fills): its range reads are done before it starts, so
-# a run costs it no bytes in flight, only the request for the gap before it
-TAKE_HELD = 64 << 10
 _PASS_HEADERS = (
     "Content-Type", "Content-Length", "Docker-Content-Digest", "Docker-Distribution-Api-Version",
     "WWW-Authenticate", "Etag", "Link", "Last-Modified",
