@@ -201,7 +201,8 @@ REGION_SPLIT = ("origin_bytes", "origin_range_bytes", "fill_reused_bytes", "rang
 def region_split(lab: netlab.Lab, region: netlab.LabRegion) -> dict:
     """What the region read from the origin, by kind (its own count, beside the registry's
     log): its fills' bytes, its range reads' bytes, and the range read bytes its fills took
-    instead of reading them again (what keeps the origin at one copy)."""
+    instead of reading them again (what keeps the origin at one copy); with the counts of
+    its range reads (and those joined), access-check probes, fills and coalesced misses."""
     try:
         status = region.status(lab)["region"]
     except (RuntimeError, ValueError, KeyError) as e:

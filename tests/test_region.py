@@ -75,16 +75,17 @@ def origin_gets(registry, digest: str, want_at_least: int = 0) -> int:
         time.sleep(0.05)
 
 
-def origin_reads(registry, digest: str, want_whole: int = 0) -> tuple[int, int, int]:
-    """(whole-blob GETs, range GETs, bytes of those ranges) the origin logged for the
-    blob (waits briefly for the log line of a finished whole-blob GET)."""
+def origin_reads(registry, digest: str, want_bytes: int = 0) -> tuple[int, int, int, int]:
+    """(whole-blob GETs, range GETs, bytes of those ranges, bytes of every GET) the origin
+    logged for the blob (waits briefly until its answers' bytes reach `want_bytes`: a
+    GET's log line comes only after its last byte)."""
     deadline = time.monotonic() + 3
     while True:
         reads = [r for r in registry.requests() if r.method == "GET" and f"/blobs/{digest}" in r.uri]
-        whole = sum(r.status == 200 for r in reads)
-        if whole >= want_whole or time.monotonic() > deadline:
+        written = sum(r.written for r in reads)
+        if written >= want_bytes or time.monotonic() > deadline:
             ranges = [r for r in reads if r.status == 206]
-            return whole, len(ranges), sum(r.written for r in ranges)
+            return sum(r.status == 200 for r in reads), len(ranges), sum(r.written for r in ranges), written
         time.sleep(0.05)
 
 
@@ -381,11 +382,7 @@ def test_100_concurrent_requests_cause_one_origin_get(registry, region_factory, 
     assert stats["origin_bytes"] + stats["fill_reused_bytes"] == len(data)
     assert stats["origin_range_bytes"] <= union_size((s[0], s[1] + 1) for s in spans if s)
     counted = stats["origin_bytes"] + stats["origin_range_bytes"]
-    deadline = time.monotonic() + 3
-    while (logged := sum(r.written for r in registry.requests()
-                         if r.method == "GET" and f"/blobs/{digest}" in r.uri)) < counted \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
+    logged = origin_reads(registry, digest, counted)[3]
     assert counted <= logged <= len(data) + union_size((s[0], s[1] + 1) for s in spans if s)
 
 
@@ -1099,7 +1096,7 @@ def test_a_held_blob_costs_the_origin_the_ranges_asked_then_one_copy(registry, r
         assert all(got == [data[a:b]] * 2 for (a, b), got in zip(spans, (results[i] for i in range(len(spans)))))
         stats = region.stats()
         assert stats["fills_running"] == 0 and stats["fills_holding"] == 1
-        whole, _, range_bytes = origin_reads(registry, digest)
+        whole, _, range_bytes, _ = origin_reads(registry, digest)
         assert whole == 0 and range_bytes == union_size(spans), (whole, range_bytes, union_size(spans))
 
     _on_loop(region, region.cache.release_fills, [digest])
