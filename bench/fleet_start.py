@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fleet_start.py [--quick] [--json] [--nodes 2,4,6] [--rate 1000]
                                           [--registry-rate 1000] [--small-from N] [--keep-work]
-                                          [--scenarios abcd] [--passthrough on|off|both]
+                                          [--scenarios abcd] [--passthrough on|off|both] [--page-in on|off|both]
 
 The lab (tests/lab/netlab.py): every node is a network namespace of its own with its own
 containerd and, for shoal, its own `shoal node` (swarm on), its link capped both ways with
@@ -27,7 +27,10 @@ Scenarios, per N:
   preheat_origin_bytes and preheat_target_bytes (per node) are the hook's.
 
 --passthrough both runs each shoal scenario twice, with the nodes' FUSE passthrough
-(`[fetch] passthrough`, docs/snapshotter.md) and then without: the same run's A/B.
+(`[fetch] passthrough`, docs/snapshotter.md) and then without: the same run's A/B (`off,on`:
+the other order; the first shoal run of a sitting tends to be the slow one). --page-in the
+same for `[fetch] page_in` (a preheat's page-in of the profile's files: what (d) measures);
+with both knobs given, every pair of their values.
 
 Every node starts at the same moment (one barrier); time to first useful work is from
 there to the command's output on that node. Per run:
@@ -72,6 +75,7 @@ single node's start with the image local; the preheat's origin bytes <= 1.05x it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -81,6 +85,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +102,8 @@ from tests.lab import netlab
 TARGET_B, TARGET_C, TARGET_ORIGIN, TARGET_D = 0.3, 0.2, 1.05, 1.2
 NAMESPACE = lazy_start.NAMESPACE
 REPO_NAME = lazy_start.REPO_NAME
+KNOBS = {"passthrough": True, "page_in": True}  # the nodes' [fetch] settings a run may A/B, and their defaults
+ONOFF = {"on": (True,), "off": (False,), "both": (True, False), "off,on": (False, True)}  # --passthrough, --page-in
 
 
 @dataclass
@@ -228,7 +235,7 @@ class Fleet:
         self.cpu = common.CpuGroups()
         self.spy_dir: Path | None = None
         self.perf = False
-        self.passthrough = True  # the nodes' [fetch] passthrough
+        self.knobs = dict(KNOBS)  # the nodes' [fetch] settings under A/B (--passthrough, --page-in)
         self.cpu.add("registry", [self.registry.proc.pid])
 
     def clients(self, argv: list) -> list:
@@ -286,8 +293,7 @@ class Fleet:
         servers: list[services.ContainerdServer] = []
         nodes: list[netlab.LabNode] = []
         try:
-            fetch = {"passthrough": self.passthrough} if profiled else {"prefetch_profiles": False,
-                                                                          "passthrough": self.passthrough}
+            fetch = dict(self.knobs) if profiled else {"prefetch_profiles": False, **self.knobs}
             nodes = netlab.start_nodes(self.lab, self.hosts[:n], d, region, self.registry, fetch=fetch,
                                        tables=lambda nd: {"containerd": {"address": str(nd / "c" / "containerd.sock")}})
             servers = [lazy_start.start_containerd_in(HostNs(node.host), node.dir / "c", self.procs,
@@ -319,6 +325,11 @@ class Fleet:
             cpu0, cpu1 = w0[0], w1[0]
             at_start = [node_figures(node, r, sources=True) for node, r in zip(nodes, results, strict=True)]
             start_read = max((node_read(figs) for figs in at_start), default=0)
+            if self.spy_dir is not None:  # the whole `shoal status` of each node, beside the profiles
+                for i, node in enumerate(nodes):
+                    with contextlib.suppress(RuntimeError, ValueError):
+                        (self.spy_dir / f"r{self.runs}-{scenario}-node{i}-status.json").write_text(
+                            json.dumps(node.status(), indent=1))
             wait_settled(self.lab, region, nodes)
             origin = registry_bytes(self.registry) - before
             region_origin = region_split(self.lab, region)
@@ -494,7 +505,7 @@ def model(runs: list[dict]) -> list[dict]:
 
 def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, small_from: int | None,
             keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None, perf: bool = False,
-            passthrough: tuple[bool, ...] = (True,)) -> dict:
+            variants: Sequence[dict] = ({},)) -> dict:
     lazy_start.preflight()
     reason = netlab.lab_missing(fuse=True)
     if reason:
@@ -537,8 +548,8 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                     for n in ns:
                         if "a" in scenarios:
                             runs.append(fleet.containerd(n))
-                        for pt in passthrough:
-                            fleet.passthrough = pt
+                        for knobs in variants:
+                            fleet.knobs = {**KNOBS, **knobs}
                             shoal_runs = []
                             if "b" in scenarios or not fleet.profile_published:
                                 shoal_runs.append(fleet.shoal(n, profiled=False))
@@ -546,7 +557,7 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                                 shoal_runs.append(fleet.shoal(n, profiled=True))
                             if "d" in scenarios:
                                 shoal_runs.append(fleet.shoal(n, profiled=True, preheat=True))
-                            runs += [{**r, "passthrough": pt} for r in shoal_runs]
+                            runs += [{**r, **fleet.knobs} for r in shoal_runs]
                 finally:
                     if fleet is not None:  # the registry is the lab's (not a leftover of procs)
                         lab.kill(fleet.registry.proc, signal.SIGTERM)
@@ -566,7 +577,8 @@ def report(f: dict) -> str:
     for r in f["runs"]:
         a = by.get((r["nodes"], "a"))
         vs = f"{r['p99_s'] / a['p99_s']:.3f}x" if a and a["p99_s"] and r["p99_s"] else "-"
-        rows.append([r["nodes"], r["scenario"], r["p50_s"], r["p99_s"], vs, r["origin_bytes_ratio"],
+        scen = r["scenario"] + "".join(f" {k} off" for k in KNOBS if r.get(k) is False)  # an A/B's other side
+        rows.append([r["nodes"], scen, r["p50_s"], r["p99_s"], vs, r["origin_bytes_ratio"],
                      r["origin_image_ratio"], r["region_bytes_ratio"], f"{r['peer_bytes'] / 1e6:,.1f}",
                      f"{r['read_bytes'] / 1e6:,.1f}", f"{r['cpu_busy']:.0%}", "FAILED" if r.get("errors") else ""])
     lines = [(f"fleet start: node links {f['rate_mbit']:g} Mbit/s, registry uplink {f['registry_rate_mbit']:g} Mbit/s, "
@@ -638,9 +650,12 @@ def main() -> int:
                         "over every shoal start window into DIR")
     p.add_argument("--perf", action="store_true",
                    help="with --py-spy DIR: also `perf record -g` the same processes into DIR/LABEL.perf")
-    p.add_argument("--passthrough", choices=("on", "off", "both", "off,on"), default="on",
+    p.add_argument("--passthrough", choices=ONOFF, default="on",
                    help="the shoal nodes' [fetch] passthrough; both: every shoal scenario once with it, then once "
-                        "without (runs carry \"passthrough\")")
+                        "without (off,on: the other order; runs carry \"passthrough\")")
+    p.add_argument("--page-in", choices=ONOFF, default="on",
+                   help="the shoal nodes' [fetch] page_in (a preheat puts the profile's file bytes into the page "
+                        "cache), as --passthrough (runs carry \"page_in\")")
     p.add_argument("--scenarios", default="abcd",
                    help="which of a, b, c, d to run (default abcd; c and d need the profile b publishes, so b "
                         "runs once anyway)")
@@ -656,7 +671,8 @@ def main() -> int:
     try:
         figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work,
                           args.scenarios, args.py_spy, args.perf,
-                          {"on": (True,), "off": (False,), "both": (True, False), "off,on": (False, True)}[args.passthrough])
+                          [{"passthrough": pt, "page_in": pi} for pt in ONOFF[args.passthrough]
+                           for pi in ONOFF[args.page_in]])
     except KeyboardInterrupt:
         common.say("interrupted; everything started was stopped")
         return 130

@@ -291,6 +291,11 @@ class NodeChunkLoader:
             return False
         return self.cache.contains(digest)
 
+    def here(self, digest: str) -> bool:
+        """The chunk is on the node (memory, store or its write queue, the swarm's
+        storage): a read of it fetches nothing."""
+        return digest in self._held or self._present(digest)
+
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):
             return True

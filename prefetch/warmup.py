@@ -74,6 +74,11 @@ class WarmLoader(Protocol):
         """The chunk is in the node's chunk store (written, not only queued): what "warm" means."""
         ...
 
+    def here(self, digest: str) -> bool:
+        """The chunk is on the node (memory, store, its write queue or the swarm's storage):
+        a read of it fetches nothing."""
+        ...
+
     def prefetch(self, chunks: Sequence[Chunk]) -> int:
         """Fetch those not here nor on their way; how many it fetched."""
         ...
@@ -130,19 +135,21 @@ def target_of(entries: Iterable) -> Target:
 class Warmup:
     """Profile-ordered prefetch over the loaded layers (`loaded()`, by layer digest)."""
 
-    def __init__(self, loaded: Callable[[], dict[str, WarmLoader]]) -> None:
+    def __init__(self, loaded: Callable[[], dict[str, WarmLoader]],
+                 page_in: Callable[[WarmLoader, list[Chunk]], None] | None = None) -> None:
         self._loaded = loaded
+        self._page_in = page_in  # (loader, chunks it holds): bring their files' pages into the page cache
         self._lock = threading.Lock()  # the jobs' figures (jobs end on the pool's threads)
         self._pool: ThreadPoolExecutor | None = None
-        self._waiting: dict[str, tuple[list[tuple[int, list]], Target | None]] = {}  # layer digest ->
-        # ([(part, profile entry)], the warm-up's target or None: not a background one)
+        self._waiting: dict[str, tuple[list[tuple[int, list]], Target | None, bool]] = {}  # layer digest ->
+        # ([(part, profile entry)], the warm-up's target or None: not a background one, page in?)
         self.queued = 0
         self._jobs = 0  # queued or running
         self._since = 0.0
         self._done = 0
 
     def prefetch(self, entries: Iterable, part: tuple[int, int] = (0, 1), background: bool = False,
-                 sparse: Iterable[str] = ()) -> int:
+                 sparse: Iterable[str] = (), page_in: bool = False) -> int:
         """Fetch the chunks of `entries` in that order (node part[0] of a job's part[1]:
         rotated, see the module doc), in jobs of one layer's chunks of one part
         (PREFETCH_FIRST compressed bytes, then twice as many each, up to PREFETCH_BATCH),
@@ -151,13 +158,16 @@ class Warmup:
         `background`: nobody waits on these chunks now (a preheat's warm-up, not a start's
         profile): their reads are cache.source.BACKGROUND, with the entries of the `sparse`
         layers (those the region holds to the ranges asked) as their cache.source.TARGET.
+        `page_in`: once a job's chunks are here, the `page_in` hook brings the pages of
+        their files into the kernel's page cache (a preheat of the chunks a start reads:
+        the start's reads then find them there, as a start with the image local does).
         Returns the number of chunks queued now."""
         entries = list(entries)
         held = set(sparse)
         target = target_of(e for e in entries if _entry_ok(e) and e[0] in held) if background else None
-        return self._queue(rotation(entries, part), target)
+        return self._queue(rotation(entries, part), target, page_in and self._page_in is not None)
 
-    def _queue(self, entries: list[tuple[int, list]], target: Target | None) -> int:
+    def _queue(self, entries: list[tuple[int, list]], target: Target | None, page_in: bool = False) -> int:
         loaded = self._loaded()
         jobs: list[list] = []
         queued = 0
@@ -186,7 +196,7 @@ class Warmup:
             last_part = number
             queued += 1
         # a newer profile of a layer replaces an older one
-        self._waiting.update({d: (w, target) for d, w in waiting.items()})
+        self._waiting.update({d: (w, target, page_in) for d, w in waiting.items()})
         if not jobs:
             return 0
         if self._pool is None:
@@ -203,14 +213,14 @@ class Warmup:
                 stages.append([job])
         if len(stages) == 1:
             for loader, chunks, _, _ in jobs:
-                self._pool.submit(self._job, loader, chunks, False, target)
+                self._pool.submit(self._job, loader, chunks, False, target, page_in)
         else:  # a job's parts one after the other (module doc): a thread of its own waits for each
-            threading.Thread(target=self._stages, args=(stages, own, target), name="shoal-prefetch-parts",
+            threading.Thread(target=self._stages, args=(stages, own, target, page_in), name="shoal-prefetch-parts",
                              daemon=True).start()
         self.queued += queued
         return queued
 
-    def _stages(self, stages: list[list[list]], own: int, target: Target | None) -> None:
+    def _stages(self, stages: list[list[list]], own: int, target: Target | None, page_in: bool) -> None:
         """The jobs of each part on the pool, a part's once the part before it is done:
         its next part is another node's own, which that node fetches meanwhile (were the
         pool's threads to start it while this node's own part is half done, the peer
@@ -219,7 +229,7 @@ class Warmup:
         assert pool is not None
         for stage in stages:
             try:
-                futures = [pool.submit(self._job, loader, chunks, number != own, target)
+                futures = [pool.submit(self._job, loader, chunks, number != own, target, page_in)
                            for loader, chunks, _, number in stage]
             except RuntimeError:  # the pool was shut down: the process is ending
                 return
@@ -228,22 +238,26 @@ class Warmup:
 
     def layer_loaded(self, digest: str) -> int:
         """The layer `digest` is loaded now: queue the entries waiting for it (logged)."""
-        waiting, target = self._waiting.pop(digest, ([], None))
+        waiting, target, page_in = self._waiting.pop(digest, ([], None, False))
         if not waiting:
             return 0
-        queued = self._queue(waiting, target)
+        queued = self._queue(waiting, target, page_in)
         log.info("prefetching %d chunks of layer %s", queued, digest)
         return queued
 
     def _job(self, loader: WarmLoader, chunks: list[Chunk], patient: bool = False,
-             target: Target | None = None) -> None:
+             target: Target | None = None, page_in: bool = False) -> None:
         """One job, on a pool thread; `patient`: of another node's part (its reads may wait
         a little for the peer that fetches it first: cache.source.PATIENT); `target`: of a
-        background warm-up, its whole target (cache.source.BACKGROUND and TARGET)."""
+        background warm-up, its whole target (cache.source.BACKGROUND and TARGET);
+        `page_in`: then the hook pages in those of its chunks that are here (a job counts
+        as pending until it did)."""
         done = 0
         tokens = PATIENT.set(patient), BACKGROUND.set(target is not None), TARGET.set(target)
         try:
             done = loader.prefetch(chunks)
+            if page_in and self._page_in is not None:
+                self._page_in(loader, [c for c in chunks if loader.here(c.digest)])
         except Exception:
             log.exception("prefetch of %d chunks of %s failed", len(chunks), loader.layer)
         finally:

@@ -108,8 +108,20 @@ def test_profile_mode_warms_the_profile_and_the_start_reads_nothing_from_the_reg
         assert 0 < n["warm_bytes"] == n["target_bytes"] <= registry.layer_bytes(manifest) - before
         full = sum(ly["size"] for ly in manifest["layers"])
         assert n["target_bytes"] < full / 2  # the profile, not the layers
+        # the preheat put the profile's file bytes into the kernel's page cache
+        # (FUSE_NOTIFY_STORE): the start finds them there and asks this node for almost none
+        paged = layer_figures(cold, "paged_in_bytes")
+        assert sum(paged.values()) > 0 and layer_figures(cold, "read_bytes") == dict.fromkeys(paged, 0)
         out, served = lazy_start(registry, manifest, ref, ctd2, "pf-profile")
         assert out == out_first and served == 0
+        # (left: the part pages where a file's profile chunks meet chunks it did not read)
+        assert sum(layer_figures(cold, "read_bytes").values()) < sum(paged.values()) / 20
+
+
+def layer_figures(node, name: str) -> dict[str, int]:
+    """One figure of each lazy layer in `shoal status`, by layer digest."""
+    status = json.loads(shoal("status", "--root", str(node.root), "--json").stdout)
+    return {ly["digest"]: ly[name] for ly in status["lazy_layers"]}
 
 
 def test_a_prefetch_that_cannot_fetch_fails_naming_what_is_not_warm(registry, tmp_path, node_and_containerd):

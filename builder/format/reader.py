@@ -254,16 +254,17 @@ class LayerReader:
     def read(self, path: str, offset: int, size: int) -> bytes:
         return _join_parts(self.read_parts(path, offset, size))
 
-    def read_parts(self, path: str, offset: int, size: int) -> list[memoryview]:
+    def read_parts(self, path: str, offset: int, size: int, note: bool = True) -> list[memoryview]:
         """Like read(), as the pieces of the answer: views into the chunks' bytes, in
-        order (for a writev, without copying them; not to be kept)."""
+        order (for a writev, without copying them; not to be kept). `note` False: not
+        told to `on_read` (a read of the reader's own, not a client's)."""
         if offset < 0 or size < 0:
             raise OSError(22, "Invalid argument", path)
         chunks = self.chunks_for(path, offset, size)
         if not chunks:
             return []
         parts = _chunk_views(chunks, self.load_chunks(chunks, path), offset, size)
-        if self.on_read is not None:
+        if self.on_read is not None and note:
             self.on_read(chunks)
         return parts
 

@@ -159,8 +159,9 @@ class NodeControl:
         if not isinstance(sparse, list) or not all(isinstance(d, str) for d in sparse):
             raise ValueError("prefetch: sparse must be a list of layer digests")
         warmup = self.fs.warmup
+        # a preheat's profile (background, no whole layers) is paged in as well: warmup.prefetch
         return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole), part,
-                                                                background, sparse))}
+                                                                background, sparse, page_in=background and not whole))}
 
     def warmth(self, req: dict) -> dict:
         entries, whole = self._entries(req)

@@ -63,6 +63,7 @@ import fcntl
 import json
 import stat as statmod
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.errors import FormatError
@@ -304,6 +305,7 @@ KSTATFS = Layout("fuse_kstatfs", ("blocks", "Q"), ("bfree", "Q"), ("bavail", "Q"
 STATFS_OUT = Layout("fuse_statfs_out", *_nested("st", KSTATFS))
 DIRENT = Layout("fuse_dirent", ("ino", "Q"), ("off", "Q"), ("namelen", "I"), ("type", "I"))
 DIRENTPLUS = Layout("fuse_direntplus", *_nested("entry_out", ENTRY_OUT), *_nested("dirent", DIRENT))
+NOTIFY_STORE_OUT = Layout("fuse_notify_store_out", ("nodeid", "Q"), ("offset", "Q"), ("size", "I"), ("padding", "4x"))
 NOTIFY_INVAL_INODE_OUT = Layout("fuse_notify_inval_inode_out", ("ino", "Q"), ("off", "q"), ("len", "q"))
 NOTIFY_INVAL_ENTRY_OUT = Layout("fuse_notify_inval_entry_out", ("parent", "Q"), ("namelen", "I"),
                                 ("flags", "I"))
@@ -311,7 +313,7 @@ NOTIFY_INVAL_ENTRY_OUT = Layout("fuse_notify_inval_entry_out", ("parent", "Q"), 
 LAYOUTS = (IN_HEADER, OUT_HEADER, INIT_IN, INIT_OUT, ATTR, ENTRY_OUT, ATTR_OUT, FORGET_IN, FORGET_ONE,
            BATCH_FORGET_IN, GETATTR_IN, OPEN_IN, OPEN_OUT, READ_IN, RELEASE_IN, FLUSH_IN, GETXATTR_IN,
            GETXATTR_OUT, ACCESS_IN, INTERRUPT_IN, KSTATFS, STATFS_OUT, DIRENT, DIRENTPLUS,
-           NOTIFY_INVAL_INODE_OUT, NOTIFY_INVAL_ENTRY_OUT)
+           NOTIFY_INVAL_INODE_OUT, NOTIFY_INVAL_ENTRY_OUT, NOTIFY_STORE_OUT)
 
 DIRENT_NAME_OFFSET = DIRENT.size  # FUSE_NAME_OFFSET: the name follows the 24-byte fuse_dirent
 DIRENTPLUS_NAME_OFFSET = DIRENTPLUS.size  # FUSE_NAME_OFFSET_DIRENTPLUS (152)
@@ -853,6 +855,17 @@ def notify_inval_entry(parent: int, name: bytes, flags: int = 0) -> bytes:
     if not name or len(name) > NAME_MAX or b"\0" in name:
         raise ValueError(f"FUSE notify: bad name {name!r}")
     return _notify(NotifyCode.INVAL_ENTRY, NOTIFY_INVAL_ENTRY_OUT.pack(parent, len(name), flags) + name + b"\0")
+
+
+def notify_store(ino: int, off: int, parts: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """Put these bytes (the parts, in order) into the kernel's page cache of `ino` at
+    `off`, as if a READ had brought them: the message's parts, for one writev. The
+    kernel holds only whole pages: a part page at either end is kept only when it ends
+    at the file's end, and bytes past the end would grow the file (the caller's to
+    avoid). ENOENT when the kernel does not hold the inode (nothing looked it up)."""
+    n = sum(len(part) for part in parts)
+    head = OUT_HEADER.pack(OUT_HEADER_SIZE + NOTIFY_STORE_OUT.size + n, int(NotifyCode.STORE), 0)
+    return [head + NOTIFY_STORE_OUT.pack(ino, off, n), *parts]
 
 
 def notify_resend() -> bytes:

@@ -62,6 +62,7 @@ import faulthandler
 import gc
 import json
 import logging
+import mmap
 import os
 import signal
 import stat as statmod
@@ -76,6 +77,7 @@ from typing import Protocol
 from builder.format.reader import ChunkLoader, LayerReader
 from builder.format.toc import Chunk, decompress_toc, parse_toc
 from cache.memory import ChunkMemory
+from cache.origin import merge_ranges
 from cache.source import BACKGROUND, BlobRef
 from prefetch.trace import AccessTrace, LayerTrace
 from prefetch.warmup import WarmLoader, Warmup
@@ -95,6 +97,7 @@ from snapshotter.fs.view import LayerView, Node
 log = logging.getLogger("shoal.fs")
 
 LAYER_SHIFT = 32  # inode = layer number << LAYER_SHIFT | inode within the layer
+PAGE_IN_PIECE = 1 << 20  # the bytes of one FUSE_NOTIFY_STORE (LayerFS.page_in)
 TIMEOUT = 3600.0  # layers are immutable: the kernel may cache entries and attributes
 ROOT_TIMEOUT = 1.0  # the set of layers changes
 PROOF_NICE = 10  # CPU priority of the background proof thread (os.setpriority)
@@ -141,6 +144,8 @@ class Layer:
     read_bytes: int = 0
     errors: int = 0
     passthrough_opens: int = 0  # opens answered with a backing file (backing.py)
+    paged_in_bytes: int = 0  # file bytes a preheat brought into the page cache (LayerFS.page_in)
+    files_at: dict[int, list[tuple[str, int, int]]] | None = None  # chunk start -> (file, offset, size): page_in's
     attrs: dict = field(default_factory=dict)  # inode within the layer -> protocol.Attr
     bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
@@ -178,8 +183,9 @@ class LayerFS:
     """
 
     def __init__(self, root: str, make_loader: Callable[[BlobRef, str], LayerLoader],
-                 data_path: DataPath | None = None):
+                 data_path: DataPath | None = None, page_in: bool = True):
         self.root = root
+        self.mnt = os.path.join(root, "mnt")
         self.make_loader = make_loader  # (blob, layer name) -> its loader
         self.data_path = data_path  # the node's data path the loaders come from (figures, close)
         self.layers: dict[str, Layer] = {}
@@ -192,7 +198,7 @@ class LayerFS:
         self.session: Session | None = None  # where notifications go (set by `run`)
         self.backings: Backings | None = None  # passthrough opens (set by `run`)
         self.trace = AccessTrace()
-        self.warmup = Warmup(self.loaders)
+        self.warmup = Warmup(self.loaders, self.page_in if page_in else None)  # ([fetch] page_in)
         self.read_ranges = data_path.read_ranges if data_path else None  # through the fetch chain: proofs, TOCs
         self.tocs = {"fetched": 0, "bytes": 0, "failed": 0}  # TOCs read through the chain (compressed bytes)
         self._proofs: dict[str, list] = {}  # layer id -> [Future of the answer, started?]
@@ -331,6 +337,63 @@ class LayerFS:
         """The loaded layers' loaders by layer digest (the warm-up's view of them)."""
         return {layer.blob.digest: layer.loader for layer in self.layers.values()}
 
+    def page_in(self, loader: WarmLoader, chunks: list[Chunk]) -> None:
+        """A preheat's hook (prefetch.warmup.Warmup, on a warm-up thread): the bytes of the
+        files these chunks of the layer hold go into the kernel's page cache with
+        FUSE_NOTIFY_STORE, so the start the preheat is for finds them there (FOPEN_KEEP_CACHE
+        keeps them across opens; overlayfs reads the lower file's own pages) instead of
+        asking this process for each READ. The kernel takes a store only for an inode it
+        holds: a stat through this mount looks each file up first (answered by the reader
+        threads). Never a read of this mount from here: a thread of a FUSE server that
+        faults on its own file's pages (mmap) can deadlock the server on its own mm lock.
+        Whole pages only (a part page at either end is left to the start's READ); the
+        bytes are the verified chunks' own, not told to the access trace (they are no
+        client's reads). A failure is logged (the start then reads as without it); the
+        page cache may drop the pages whenever it likes."""
+        layer = next((ly for ly in list(self.layers.values()) if ly.loader is loader), None)
+        session = self.session
+        if layer is None or session is None or not chunks or self.closing.is_set():
+            return
+        if layer.files_at is None:
+            files_at: dict[int, list[tuple[str, int, int]]] = {}
+            for e in list(layer.view.reader.entries.values()):
+                if e.type == "reg":
+                    for c in e.chunks:
+                        if not c.zeros:
+                            files_at.setdefault(c.start, []).append((e.name, c.file_offset, c.size))
+            layer.files_at = files_at
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for c in chunks:
+            for name, off, size in layer.files_at.get(c.start, ()):
+                ranges.setdefault(name, []).append((off, off + size))
+        for name, spans in ranges.items():
+            if self.closing.is_set():
+                return
+            try:
+                layer.paged_in_bytes += self._store_pages(session, layer, name, spans)
+            except (OSError, ValueError, ShoalError) as e:
+                log.warning("page-in of /%s in layer %s of %s: %s (its start reads it from this process)", name,
+                            layer.blob.digest, layer.image or "?", e)
+
+    def _store_pages(self, session: Session, layer: Layer, name: str, spans: list[tuple[int, int]]) -> int:
+        """page_in of one file's [start, end) spans: how many bytes the kernel took."""
+        st = os.stat(os.path.join(self.mnt, layer.id, name), follow_symlinks=False)
+        if not statmod.S_ISREG(st.st_mode) or st.st_ino >> LAYER_SHIFT != layer.number:
+            raise ValueError("not this layer's regular file")
+        done = 0
+        page = mmap.PAGESIZE
+        for start, end in merge_ranges(spans, gap=0):
+            start = -(-start // page) * page
+            end = st.st_size if end >= st.st_size else end - end % page
+            while start < end:
+                n = min(end - start, PAGE_IN_PIECE)
+                parts = layer.view.reader.read_parts(name, start, n, note=False)
+                if not session.notify(p.notify_store(st.st_ino, start, parts)):
+                    return done  # the kernel let go of the inode (or the connection ended)
+                done += n
+                start += n
+        return done
+
     # --- proofs -----------------------------------------------------------------------------
 
     def prove(self, layer_id: str, urgent: bool = False) -> Future:
@@ -462,7 +525,7 @@ class LayerFS:
                 "id": layer.id, "digest": layer.blob.digest, "image": layer.image,
                 "registry": layer.blob.registry, "repository": layer.blob.repository,
                 "reads": layer.reads, "read_bytes": layer.read_bytes, "errors": layer.errors,
-                "passthrough_opens": layer.passthrough_opens,
+                "passthrough_opens": layer.passthrough_opens, "paged_in_bytes": layer.paged_in_bytes,
                 **figures, **self.proof_state(layer),
             })
         ops = {k: {"count": c, "seconds": round(t, 3)} for k, (c, t) in self.ops.items() if c}
@@ -840,7 +903,7 @@ def set_readahead(mnt: str, kb: int) -> None:
 def build_fs(root: str, config: dict) -> LayerFS:
     """The file system with the node's fetch chain and chunk store (from config)."""
     path = make_data_path(root, config)
-    return LayerFS(root, path.loader, path)
+    return LayerFS(root, path.loader, path, page_in=config.get("page_in", True) is not False)
 
 
 def clear_dead_mount(mnt: str) -> None:
@@ -957,9 +1020,9 @@ def _backings(fs: LayerFS, session: Session, config: dict) -> Backings:
 def run(root: str, config: dict) -> int:
     os.umask(PRIVATE_UMASK)  # what this process makes under ROOT (chunks, swarm storage) is root's alone
     tune_malloc()
-    mnt = os.path.join(root, "mnt")
     private_dir(os.path.join(root, "layers"))
     fs = build_fs(root, config)
+    mnt = fs.mnt
     for layer_id in sorted(os.listdir(os.path.join(root, "layers"))):
         if not os.path.exists(os.path.join(layer_dir(root, layer_id), "toc.json")):
             continue  # a prepare in progress (or cut short): its `load` fetches the TOC (or sweep removes it)

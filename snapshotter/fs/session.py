@@ -278,12 +278,13 @@ class Session:
             if self.table is not None:
                 self.table.done(token)
 
-    def notify(self, message: bytes) -> bool:
-        """A notification (protocol.notify_*); False when the kernel does not hold the
-        inode or entry (ENOENT), or the connection is gone. Not from a request's handler
-        for INVAL_ENTRY (the kernel may wait on a lock that request holds)."""
+    def notify(self, message: bytes | Buffers) -> bool:
+        """A notification (protocol.notify_*: one message, or its parts); False when the
+        kernel does not hold the inode or entry (ENOENT), or the connection is gone. Not
+        from a request's handler for INVAL_ENTRY (the kernel may wait on a lock that
+        request holds)."""
         try:
-            return self.write([message])
+            return self.write([message] if isinstance(message, bytes) else message)
         except OSError as e:
             log.warning("FUSE notification refused: %s", e)
             return False
