@@ -112,6 +112,9 @@ def test_profile_mode_warms_the_profile_and_the_start_reads_nothing_from_the_reg
         # (FUSE_NOTIFY_STORE): the start finds them there and asks this node for almost none
         paged = layer_figures(cold, "paged_in_bytes")
         assert sum(paged.values()) > 0 and layer_figures(cold, "read_bytes") == dict.fromkeys(paged, 0)
+        # asked again, the warm node pages in nothing twice
+        assert shoal("prefetch", ref, "--root", str(cold.root), "--wait", "--json").returncode == 0
+        assert layer_figures(cold, "paged_in_bytes") == paged
         out, served = lazy_start(registry, manifest, ref, ctd2, "pf-profile")
         assert out == out_first and served == 0
         # (left: the part pages where a file's profile chunks meet chunks it did not read)

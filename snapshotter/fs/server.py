@@ -146,6 +146,7 @@ class Layer:
     passthrough_opens: int = 0  # opens answered with a backing file (backing.py)
     paged_in_bytes: int = 0  # file bytes a preheat brought into the page cache (LayerFS.page_in)
     files_at: dict[int, list[tuple[str, int, int]]] | None = None  # chunk start -> (file, offset, size): page_in's
+    paged: set[int] = field(default_factory=set)  # starts of the chunks page_in handed to the kernel once
     attrs: dict = field(default_factory=dict)  # inode within the layer -> protocol.Attr
     bad: str = ""  # why every read fails (mark_bad), "" for a good layer
 
@@ -348,8 +349,9 @@ class LayerFS:
         faults on its own file's pages (mmap) can deadlock the server on its own mm lock.
         Whole pages only (a part page at either end is left to the start's READ); the
         bytes are the verified chunks' own, not told to the access trace (they are no
-        client's reads). A failure is logged (the start then reads as without it); the
-        page cache may drop the pages whenever it likes."""
+        client's reads). A chunk is paged in once (a preheat asked again, or another job
+        with it, finds it done). A failure is logged (the start then reads as without it);
+        the page cache may drop the pages whenever it likes."""
         layer = next((ly for ly in list(self.layers.values()) if ly.loader is loader), None)
         session = self.session
         if layer is None or session is None or not chunks or self.closing.is_set():
@@ -364,6 +366,9 @@ class LayerFS:
             layer.files_at = files_at
         ranges: dict[str, list[tuple[int, int]]] = {}
         for c in chunks:
+            if c.start in layer.paged:
+                continue
+            layer.paged.add(c.start)
             for name, off, size in layer.files_at.get(c.start, ()):
                 ranges.setdefault(name, []).append((off, off + size))
         for name, spans in ranges.items():
