@@ -15,7 +15,7 @@ demo: install  ## the main job on one machine: registry, convert, profile, regio
 
 test: install  ## lint, then the whole test suite (root: registry, containerd, FUSE)
 	@$(LINT)
-	@.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	@.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: install  ## tests that need no daemons
 	@.venv/bin/python -m pytest -q tests -m "not registry and not containerd and not slow"

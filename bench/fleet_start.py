@@ -362,8 +362,7 @@ class Fleet:
         finally:
             for server in servers:
                 self.procs.stop_containerd(server)
-            for node in nodes:
-                node.stop(self.lab)
+            netlab.stop_nodes(self.lab, nodes)
             for node in nodes:
                 node.unmount()
             self.lab.kill(region.proc, signal.SIGTERM)

@@ -3,7 +3,8 @@ region hands it (region/preheat.py) and reports what it measured.
 
     worker = PreheatWorker(link, name, address, version, run)
     worker.start()   # a thread: register, then long-poll GET /prefetch/v1/nodes/NAME/work
-    worker.stop()    # the poll ends (at most its timeout later), running warm-ups are told to stop
+    worker.stop()    # running warm-ups are told to stop; the region hears the node stops
+                     # (DELETE), which ends the held poll at once
 
 The node opens every connection (a long poll it repeats at once), so it needs no inbound
 port; the region hears from it at every poll and report and holds it down when it stops.
@@ -93,9 +94,24 @@ class PreheatWorker:
         self._stop.set()
         with self._lock:
             self._cancelled.update(self._running)
+        if self.registered:
+            self._leave()
         self._session.close()
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=2)  # (a region that does not know DELETE holds the poll)
+
+    def _leave(self) -> None:
+        """Tell the region this node stops: it lists the node down at once (not its
+        node_timeout later) and answers the held poll now."""
+        try:
+            resp = self._session.delete(self._url(""), headers=self._headers(), timeout=(2, 3))
+        except requests.RequestException as e:
+            log.info("preheat: could not tell region %s that node %s stops: %s", self.link.url, self.name,
+                     str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            return
+        if resp.status_code != 200:
+            log.info("preheat: region %s answered the node's stop with HTTP %d %s", self.link.url,
+                     resp.status_code, _reason(resp))
 
     # --- the region -----------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ The nodes (prefetch/worker.py), with the region's node token (cache.region.tls.T
 
 - `POST /nodes/NAME` `{"address", "version"}`: registers (again, after a restart: the
   jobs it had not finished are handed to it again);
+- `DELETE /nodes/NAME`: the node stops (its worker's last call): it is down at once, and
+  its held poll answers now; it is up again when it registers again;
 - `GET /nodes/NAME/work`: a long poll, held up to `poll_s`, answering
   `{"jobs": [assignment...], "cancel": [ID...], "poll_s"}`; the node repeats it at once,
   so the region hands it work with no inbound port on the node. An assignment is
@@ -108,11 +110,15 @@ class NodeRecord:
     last_seen: float  # monotonic
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     cancels: list[str] = field(default_factory=list)  # job ids to tell it at its next poll
+    left: bool = False  # the node said it stops (DELETE): down at once, until it registers again
+
+    def up(self, now: float, timeout: float) -> bool:
+        return not self.left and now - self.last_seen < timeout
 
     def view(self, now: float, timeout: float) -> dict:
         ago = now - self.last_seen
         return {"name": self.name, "address": self.address, "version": self.version, "remote": self.remote,
-                "state": "up" if ago < timeout else "down", "last_seen_s": round(ago, 1),
+                "state": "up" if self.up(now, timeout) else "down", "last_seen_s": round(ago, 1),
                 "registered": self.registered}
 
 
@@ -262,6 +268,7 @@ class PreheatService:
         r.add_delete("/jobs/{id}", self._cancel)
         r.add_get("/nodes", self._list_nodes)
         r.add_post("/nodes/{name}", self._register)
+        r.add_delete("/nodes/{name}", self._leave)
         r.add_get("/nodes/{name}/work", self._work)
         r.add_post("/nodes/{name}/reports", self._report)
         self.closing = False
@@ -277,7 +284,7 @@ class PreheatService:
 
     def statistics(self) -> dict:
         now = time.monotonic()
-        up = sum(now - n.last_seen < self.node_timeout for n in self.nodes.values())
+        up = sum(n.up(now, self.node_timeout) for n in self.nodes.values())
         states: dict[str, int] = {}
         for job in self.jobs.values():
             states[job.state] = states.get(job.state, 0) + 1
@@ -328,7 +335,7 @@ class PreheatService:
     def _up(self) -> set[str]:
         """The names of the nodes heard from within node_timeout."""
         now = time.monotonic()
-        return {name for name, node in self.nodes.items() if now - node.last_seen < self.node_timeout}
+        return {name for name, node in self.nodes.items() if node.up(now, self.node_timeout)}
 
     def _origin_counters(self) -> tuple[int, int]:
         st = self.cache.stats
@@ -350,6 +357,9 @@ class PreheatService:
                 continue
             if node is None:
                 jn.state, jn.error = "unknown", "not registered with the region (no shoal node of that name)"
+            elif node.left:
+                jn.state = "down"
+                jn.error = f"its shoal node stopped ({now - node.last_seen:.0f}s ago; it said so)"
             elif now - node.last_seen >= self.node_timeout:
                 jn.state = "down"
                 jn.error = f"stopped answering (last heard {now - node.last_seen:.0f}s ago)"
@@ -562,15 +572,33 @@ class PreheatService:
             node.wake.clear()
             jobs, cancels = self._assignments(node), node.cancels
             node.cancels = []
-            if jobs or cancels or self.closing or self.nodes.get(name) is not node:
+            if jobs or cancels or self.closing or node.left or self.nodes.get(name) is not node:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(node.wake.wait(), left)
-        node.last_seen = time.monotonic()
+        if not node.left:
+            node.last_seen = time.monotonic()
         return web.json_response({"jobs": jobs, "cancel": cancels, "poll_s": self.poll_s})
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        """The node stops (its worker's last call): down at once, in the list and in its
+        jobs, not node_timeout later; its held poll answers now, so the node's stop does
+        not wait for it."""
+        name = self._node(request)
+        node = self.nodes.get(name)
+        if node is None:
+            raise Refused(404, f"node {name} is not registered")
+        node.left = True
+        node.last_seen = time.monotonic()
+        node.wake.set()
+        for job in self.jobs.values():
+            if name in job.nodes:
+                self.refresh(job, force=True)
+        log.info("node %s stopped (it said so)", name)
+        return web.json_response({"name": name, "state": "down"})
 
     async def _report(self, request: web.Request) -> web.Response:
         name = self._node(request)

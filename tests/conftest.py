@@ -224,11 +224,30 @@ class TokenServer:
 _REGISTRY_FIXTURES = {"registry", "basic_registry", "token_registry", "registry_factory", "module_registry"}
 
 
+# Worker seconds per file (setup, call and teardown; `pytest --durations=0`, 2026-12-04),
+# for the order alone: `make test` hands whole files to two workers in collection order
+# (--dist loadfile --no-loadscope-reorder), so the longest go first and the short ones fill
+# in at the end (the files' makespan near half their sum; xdist's own order, by the number
+# of tests in a file, had left the demo or a first build of the torch image for last, with
+# the other worker idle). A file not named here goes after these, in collection order.
+FILE_SECONDS = {
+    "test_torch_e2e.py": 190,  # its first run builds the torch image (about 170 s)
+    "test_p2p_swarm.py": 190, "test_preheat.py": 100, "test_demo.py": 82, "test_chain_poisoning.py": 80,
+    "test_snapshotter.py": 76, "test_fleet.py": 74, "test_slurm.py": 62, "test_tenancy.py": 44,
+    "test_documents.py": 41, "test_interop.py": 40, "test_lazy_fs.py": 40, "test_robustness.py": 40,
+    "test_unpack.py": 39, "test_region_ranges.py": 37, "test_region.py": 33, "test_node_e2e.py": 33,
+    "test_fs_takeover.py": 32, "test_prefetch_local.py": 32, "test_deploy.py": 28, "test_profile_record.py": 26,
+    "test_cache_store.py": 25, "test_cri.py": 25, "test_verify.py": 24, "test_convert.py": 24,
+}
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Tests that start a registry carry the `registry` marker (`-m "not registry"`)."""
+    """Tests that start a registry carry the `registry` marker (`-m "not registry"`); the
+    files run longest first (FILE_SECONDS; a stable sort keeps each file's own order)."""
     for item in items:
         if _REGISTRY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.registry)
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
 
 
 # --- fixtures --------------------------------------------------------------------------

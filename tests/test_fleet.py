@@ -115,8 +115,7 @@ def test_four_nodes_start_one_image_behind_a_cold_region_at_one_origin_copy(tmp_
                 assert fetch["bytes_from_origin"] == 0, f"{node.host.ns} went to the origin: {fetch}"
                 assert not any(fetch["hangs"].values()), f"{node.host.ns}: a source did not answer in time: {fetch}"
                 assert fetch["tocs_loaded"] == 1
-            for node in nodes:
-                node.stop(lab)
+            netlab.stop_nodes(lab, nodes)
             for node in nodes:
                 assert not node.unmount()
     finally:
@@ -188,8 +187,7 @@ def test_nodes_unpacking_one_gzip_image_take_it_through_the_region_at_one_origin
                 assert fetch["bytes_from_origin"] == 0, fetch
                 assert fetch["bytes_from_region"] >= layer["size"] + fetch["manifest_bytes"] > layer["size"]
                 assert status["node_fetch"]["manifests"]["region"]["requests"] >= 1
-            for node in nodes:
-                node.stop(lab)
+            netlab.stop_nodes(lab, nodes)
     finally:
         shutil.rmtree(short, ignore_errors=True)
 
@@ -244,7 +242,6 @@ def test_nodes_unpacking_one_gzip_image_at_once_share_it_through_the_swarm(tmp_p
             text = subprocess.run([netlab.SHOAL, "status", "--root", str(nodes[0].root)], capture_output=True,
                                   text=True, check=True).stdout
             assert f"layers to unpack {size:,} B ({size:,} B through the swarm)" in text, text
-            for node in nodes:
-                node.stop(lab)
+            netlab.stop_nodes(lab, nodes)
     finally:
         shutil.rmtree(short, ignore_errors=True)

@@ -130,8 +130,7 @@ def nodes(world):
     try:
         yield start
     finally:
-        for node in started:
-            node.stop(world.lab)
+        netlab.stop_nodes(world.lab, started)
         for node in started:
             assert not node.unmount(), f"{node.root}: still mounted"
         for host in world.hosts:

@@ -217,6 +217,25 @@ def test_an_unregistered_node_and_a_node_killed_mid_warm_up_are_named_not_warm(m
     assert region.nodes()["n1"]["state"] == "up"
 
 
+def test_a_node_that_stops_is_down_at_once_and_a_job_names_it(module_registry, fleet, tmp_path):
+    """A `shoal node` stopped with SIGTERM tells the region (DELETE /nodes/NAME, its
+    worker's last call): listed down at once, not NODE_TIMEOUT later, and a job naming it
+    says it stopped; it is up again once it registers again."""
+    region, _ = fleet
+    ref = lazy_app_image(module_registry, tmp_path / "img", "preheat/stopped", CMD, salt="stopped")[1]
+    with shoal_node_with_containerd("shoal-ph4-", node_config(region, "n4")) as (n4, _):
+        wait_for(lambda: region.nodes().get("n4", {}).get("state") == "up", "n4 registered")
+        assert n4.stop() == 0
+        assert region.nodes()["n4"]["state"] == "down"  # at once: its last poll ended less than NODE_TIMEOUT ago
+        assert "node n4 stopped (it said so)" in (region.store.parent / "region.log").read_text()
+        made = prefetch(region, ref, "--nodes", "n4", "--mode", "full", "--wait", "--timeout", "3", "--json")
+        assert made.returncode == 1, made.stderr
+        assert "1 of 1 nodes not warm: n4 (down: its shoal node stopped" in made.stderr.strip().splitlines()[-1]
+        (n,) = json.loads(made.stdout)["nodes"]
+        assert n["state"] == "down" and "its shoal node stopped" in n["error"] and "it said so" in n["error"], n
+        assert "Traceback" not in made.stderr
+
+
 def test_a_job_for_an_image_the_caller_may_not_read_is_refused_with_the_origins_answer(
         registry_factory, docker_config, tmp_path):
     from builder.oci.refs import open_destination, open_source

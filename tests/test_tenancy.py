@@ -118,8 +118,7 @@ def lab_world(tmp_path_factory):
     try:
         yield lab, work, short, nodes
     finally:
-        for node in nodes:
-            node.stop(lab)
+        netlab.stop_nodes(lab, nodes)
         for node in nodes:
             node.unmount()
         lab.close()
