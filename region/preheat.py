@@ -333,7 +333,7 @@ class PreheatService:
             raise Refused(413, "the body is too large") from None
 
     def _up(self) -> set[str]:
-        """The names of the nodes heard from within node_timeout."""
+        """The names of the nodes up: heard from within node_timeout, and not stopped (DELETE)."""
         now = time.monotonic()
         return {name for name, node in self.nodes.items() if node.up(now, self.node_timeout)}
 

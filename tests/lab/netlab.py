@@ -733,8 +733,8 @@ class LabNode:
 
 
 def stop_nodes(lab: Lab, nodes: list[LabNode], sig: int = signal.SIGTERM) -> None:
-    """LabNode.stop on every node at once (a node's stop takes seconds: its preheat poll and
-    its swarm's last announces end first)."""
+    """LabNode.stop on every node at once (each takes a second or two: the layer file system
+    server unmounts and its swarm sends its last announces first)."""
     parallel(lambda node: node.stop(lab, sig), nodes)
 
 
