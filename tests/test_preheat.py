@@ -220,7 +220,7 @@ def test_an_unregistered_node_and_a_node_killed_mid_warm_up_are_named_not_warm(m
 def test_a_node_that_stops_is_down_at_once_and_a_job_names_it(module_registry, fleet, tmp_path):
     """A `shoal node` stopped with SIGTERM tells the region (DELETE /nodes/NAME, its
     worker's last call): listed down at once, not NODE_TIMEOUT later, and a job naming it
-    says it stopped; it is up again once it registers again."""
+    says it stopped."""
     region, _ = fleet
     ref = lazy_app_image(module_registry, tmp_path / "img", "preheat/stopped", CMD, salt="stopped")[1]
     with shoal_node_with_containerd("shoal-ph4-", node_config(region, "n4")) as (n4, _):
