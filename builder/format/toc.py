@@ -253,7 +253,10 @@ def parse_toc(data: bytes, blob_size: int | None = None) -> Toc:
                 and type(gid) is int and 0 <= gid <= _U32 and type(size) is int and 0 <= size <= MAX_FILE_SIZE):
             mode, uid, gid = _int(raw, "mode", name, 0o7777777), _int(raw, "uid", name, _U32), _int(raw, "gid", name, _U32)
             size = _int(raw, "size", name)
-        mtime = _timestamp(get("modtime"), "modtime", name)
+        modtime = get("modtime")
+        mtime = _TIMES.get(modtime) if type(modtime) is str else None  # (_timestamp's cache, looked up here)
+        if mtime is None:
+            mtime = _timestamp(modtime, "modtime", name)
         linkname = get("linkName", "")
         if type(linkname) is not str:
             linkname = _str(raw, "linkName", name)
