@@ -3,6 +3,7 @@
     .venv/bin/python bench/fleet_start.py [--quick] [--json] [--nodes 2,4,6] [--rate 1000]
                                           [--registry-rate 1000] [--small-from N] [--keep-work]
                                           [--scenarios abcd] [--passthrough on|off|both] [--page-in on|off|both]
+                                          [--repeat K]
 
 The lab (tests/lab/netlab.py): every node is a network namespace of its own with its own
 containerd and, for shoal, its own `shoal node` (swarm on), its link capped both ways with
@@ -31,6 +32,12 @@ Scenarios, per N:
 the other order; the first shoal run of a sitting tends to be the slow one). --page-in the
 same for `[fetch] page_in` (a preheat's page-in of the profile's files: what (d) measures);
 with both knobs given, every pair of their values.
+
+--repeat K runs the whole sequence K times over (every N's scenarios, then again), so
+that each repeat's (b), (c) and (d) have a baseline from minutes before them; runs carry
+"repeat" (0..K-1). The report gives each run's ratios to its own repeat's (a) and then, per
+target, the median over the repeats with their range: on this machine one run's p99 moves
+by up to 20% with nothing changed, which a single run cannot tell from a change.
 
 Every node starts at the same moment (one barrier); time to first useful work is from
 there to the command's output on that node. Per run:
@@ -80,6 +87,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -504,7 +512,7 @@ def model(runs: list[dict]) -> list[dict]:
 
 def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, small_from: int | None,
             keep: bool, scenarios: str = "abcd", spy_dir: Path | None = None, perf: bool = False,
-            variants: Sequence[dict] = ({},)) -> dict:
+            variants: Sequence[dict] = ({},), repeat: int = 1) -> dict:
     lazy_start.preflight()
     reason = netlab.lab_missing(fuse=True)
     if reason:
@@ -544,9 +552,10 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                     fleet.perf = perf
                     if spy_dir is not None:
                         spy_dir.mkdir(parents=True, exist_ok=True)
-                    for n in ns:
+                    for rep, n in ((rep, n) for rep in range(repeat) for n in ns):
+                        tag = {"repeat": rep} if repeat > 1 else {}
                         if "a" in scenarios:
-                            runs.append(fleet.containerd(n))
+                            runs.append({**fleet.containerd(n), **tag})
                         for knobs in variants:
                             fleet.knobs = {**KNOBS, **knobs}
                             shoal_runs = []
@@ -556,7 +565,7 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                                 shoal_runs.append(fleet.shoal(n, profiled=True))
                             if "d" in scenarios:
                                 shoal_runs.append(fleet.shoal(n, profiled=True, preheat=True))
-                            runs += [{**r, **fleet.knobs} for r in shoal_runs]
+                            runs += [{**r, **fleet.knobs, **tag} for r in shoal_runs]
                 finally:
                     if fleet is not None:  # the registry is the lab's (not a leftover of procs)
                         lab.kill(fleet.registry.proc, signal.SIGTERM)
@@ -570,61 +579,82 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
         lazy_start.finish(work, procs, keep)
 
 
+def _baseline(by: dict, r: dict) -> dict | None:
+    """The (a) run of `r`'s N and repeat."""
+    return by.get((r["nodes"], "a", r.get("repeat", 0)))
+
+
+def _targets(r: dict, a: dict | None) -> list[tuple[str, str, float, float]]:
+    """(target, what its ratio is of, the ratio, the target's bound) for one run."""
+    out = []
+    if r["scenario"] == "d":
+        if r.get("p99_vs_local") is not None:
+            out.append(("p99 vs local", f"of one node's local start ({r['local_start_s']} s, page cache warm)",
+                        r["p99_vs_local"], TARGET_D))
+        if r.get("p99_vs_local_cold") is not None:
+            cold = f"of one node's local start ({r['local_cold_start_s']} s, page cache dropped)"
+            out.append(("p99 vs local cold", cold, r["p99_vs_local_cold"], TARGET_D))
+        if r.get("preheat_origin_ratio") is not None:
+            out.append(("preheat origin", f"of its target (preheat {r['preheat_s']} s)", r["preheat_origin_ratio"],
+                        TARGET_ORIGIN))
+    elif r["scenario"] != "a" and a and a["p99_s"] and r["p99_s"]:
+        out.append(("p99", "of (a)", r["p99_s"] / a["p99_s"], TARGET_B if r["scenario"] == "b" else TARGET_C))
+        if r["origin_bytes_ratio"] is not None:
+            out.append(("origin", "of one read", r["origin_bytes_ratio"], TARGET_ORIGIN))
+    return out
+
+
+def _scenario(r: dict) -> str:
+    """The run's scenario letter, with the knobs an A/B turned off."""
+    return r["scenario"] + "".join(f" {k} off" for k in KNOBS if r.get(k) is False)
+
+
 def report(f: dict) -> str:
-    by = {(r["nodes"], r["scenario"]): r for r in f["runs"]}
+    by = {(r["nodes"], r["scenario"], r.get("repeat", 0)): r for r in f["runs"]}
+    repeats = 1 + max((r.get("repeat", 0) for r in f["runs"]), default=0)
     rows = []
     for r in f["runs"]:
-        a = by.get((r["nodes"], "a"))
+        a = _baseline(by, r)
         vs = f"{r['p99_s'] / a['p99_s']:.3f}x" if a and a["p99_s"] and r["p99_s"] else "-"
-        scen = r["scenario"] + "".join(f" {k} off" for k in KNOBS if r.get(k) is False)  # an A/B's other side
-        rows.append([r["nodes"], scen, r["p50_s"], r["p99_s"], vs, r["origin_bytes_ratio"],
-                     r["origin_image_ratio"], r["region_bytes_ratio"], f"{r['peer_bytes'] / 1e6:,.1f}",
-                     f"{r['read_bytes'] / 1e6:,.1f}", f"{r['cpu_busy']:.0%}", "FAILED" if r.get("errors") else ""])
+        rows.append([r["nodes"], _scenario(r), *([r.get("repeat", 0)] if repeats > 1 else []), r["p50_s"], r["p99_s"],
+                     vs, r["origin_bytes_ratio"], r["origin_image_ratio"], r["region_bytes_ratio"],
+                     f"{r['peer_bytes'] / 1e6:,.1f}", f"{r['read_bytes'] / 1e6:,.1f}", f"{r['cpu_busy']:.0%}",
+                     "FAILED" if r.get("errors") else ""])
     lines = [(f"fleet start: node links {f['rate_mbit']:g} Mbit/s, registry uplink {f['registry_rate_mbit']:g} Mbit/s, "
              f"{f['cores']} cores"),
              *[f"image: {i['image']} (gzip {i['gzip_bytes'] / 1e6:,.1f} MB, shoal {i['shoal_bytes'] / 1e6:,.1f} MB), "
                f"N = {i['nodes']}" for i in f["images"]],
              ("a: containerd pull + run; b: shoal, cold region, no profile; c: shoal with the access profile; "
              "d: c after the preheat API warmed the nodes"), "",
-             common.table(["N", "scen", "p50 s", "p99 s", "p99/(a)", "origin/read", "origin/image", "region/read",
-                           "peer MB", "read MB", "CPU", ""], rows), ""]
+             common.table(["N", "scen", *(["rep"] if repeats > 1 else []), "p50 s", "p99 s", "p99/(a)", "origin/read",
+                           "origin/image", "region/read", "peer MB", "read MB", "CPU", ""], rows), ""]
+    groups: dict[tuple, list[float]] = {}
     for r in f["runs"]:
-        a = by.get((r["nodes"], "a"))
-        if r["scenario"] == "d":
-            if r.get("p99_vs_local") is not None:
-                lines.append(f"target N={r['nodes']} (d): p99 {r['p99_vs_local']:.3f}x of one node's local start "
-                             f"({r['local_start_s']} s, page cache warm; want <= {TARGET_D})  "
-                             f"{'PASS' if r['p99_vs_local'] <= TARGET_D else 'MISS'}")
-            if r.get("p99_vs_local_cold") is not None:
-                lines.append(f"target N={r['nodes']} (d): p99 {r['p99_vs_local_cold']:.3f}x of one node's local start "
-                             f"({r['local_cold_start_s']} s, page cache dropped; want <= {TARGET_D})  "
-                             f"{'PASS' if r['p99_vs_local_cold'] <= TARGET_D else 'MISS'}")
-            if r.get("preheat_origin_ratio") is not None:
-                lines.append(f"target N={r['nodes']} (d): preheat {r['preheat_s']} s, origin "
-                             f"{r['preheat_origin_ratio']:.3f}x of its target (want <= {TARGET_ORIGIN})  "
-                             f"{'PASS' if r['preheat_origin_ratio'] <= TARGET_ORIGIN else 'MISS'}")
-            continue
-        if r["scenario"] == "a" or not (a and a["p99_s"] and r["p99_s"]):
-            continue
-        want = TARGET_B if r["scenario"] == "b" else TARGET_C
-        ratio = r["p99_s"] / a["p99_s"]
-        lines.append(f"target N={r['nodes']} ({r['scenario']}): p99 {ratio:.3f}x of (a) (want <= {want})  "
-                     f"{'PASS' if ratio <= want else 'MISS'}")
-        if r["origin_bytes_ratio"] is not None:
-            lines.append(f"target N={r['nodes']} ({r['scenario']}): origin {r['origin_bytes_ratio']:.3f}x of one read "
-                         f"(want <= {TARGET_ORIGIN})  {'PASS' if r['origin_bytes_ratio'] <= TARGET_ORIGIN else 'MISS'}")
+        for key, against, ratio, want in _targets(r, _baseline(by, r)):
+            rep = f" repeat {r['repeat']}" if repeats > 1 else ""
+            lines.append(f"target N={r['nodes']} ({_scenario(r)}){rep}: {key} {ratio:.3f}x {against} "
+                         f"(want <= {want})  {'PASS' if ratio <= want else 'MISS'}")
+            groups.setdefault((r["nodes"], _scenario(r), key, want), []).append(ratio)
+    if repeats > 1:
+        lines += ["", f"targets, the median over {repeats} repeats (each against its own repeat's baseline):"]
+        for (n, scen, key, want), ratios in groups.items():
+            mid = statistics.median(ratios)
+            lines.append(f"target N={n} ({scen}): {key} median {mid:.3f}x (range {min(ratios):.3f}-{max(ratios):.3f}, "
+                         f"{len(ratios)} runs; want <= {want})  {'PASS' if mid <= want else 'MISS'}")
     lines += ["", "CPU seconds over each start window, by role (cgroup cpuacct; other = the rest of the machine):"]
     for r in f["runs"]:
         cpu = r.get("cpu_s") or {}
         if cpu:
             total = sum(cpu.values())
-            lines.append(f"N={r['nodes']} ({r['scenario']}): {total:.1f} s in all, {total / r['nodes']:.1f} s per node: "
+            rep = f" repeat {r['repeat']}" if repeats > 1 else ""
+            lines.append(f"N={r['nodes']} ({_scenario(r)}){rep}: {total:.1f} s in all, {total / r['nodes']:.1f} s per node: "
                          + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
         local = r.get("local_cpu_s")
         if local and r.get("p99_s"):
             one = sum(local.values())
             floor = r["nodes"] * one / f["cores"]
-            lines.append(f"N={r['nodes']} (d): one local start costs {one:.1f} CPU s ("
+            rep = f" repeat {r['repeat']}" if repeats > 1 else ""
+            lines.append(f"N={r['nodes']} (d){rep}: one local start costs {one:.1f} CPU s ("
                          + ", ".join(f"{k} {v:.1f}" for k, v in local.items())
                          + f"); N of them on {f['cores']} cores need at least {floor:.1f} s: "
                          f"{floor / r['local_start_s']:.2f}x of the local start (d's p99: {r['p99_vs_local']}x)")
@@ -658,7 +688,12 @@ def main() -> int:
     p.add_argument("--scenarios", default="abcd",
                    help="which of a, b, c, d to run (default abcd; c and d need the profile b publishes, so b "
                         "runs once anyway)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="run every N's scenarios K times over, interleaved; the report adds each target's median "
+                        "over the K runs (default 1)")
     args = p.parse_args()
+    if not 1 <= args.repeat <= 10:
+        p.error("--repeat: between 1 and 10")
     if not args.scenarios or set(args.scenarios) - set("abcd"):
         p.error("--scenarios: letters among a, b, c, d")
     try:
@@ -671,7 +706,7 @@ def main() -> int:
         figures = measure(nodes, args.quick, args.rate, args.registry_rate, args.small_from, args.keep_work,
                           args.scenarios, args.py_spy, args.perf,
                           [{"passthrough": pt, "page_in": pi} for pt in ONOFF[args.passthrough]
-                           for pi in ONOFF[args.page_in]])
+                           for pi in ONOFF[args.page_in]], args.repeat)
     except KeyboardInterrupt:
         common.say("interrupted; everything started was stopped")
         return 130
