@@ -472,18 +472,16 @@ class LayerEntries:
         if whiteouts and WHITEOUT_PREFIX in parent and any(part.startswith(WHITEOUT_PREFIX)
                                                            for part in parent.split("/")):
             raise FormatError("a whiteout name cannot hold entries")
-        if parent and parent not in self._clear:  # (the common case: a directory walked before)
-            at = parent
-            walked = []
-            while at and at not in self._clear:  # every parent this layer itself made must be a directory
-                made = self.seen.get(at)          # (no path through its own links)
-                if made is not None and made != "dir":
-                    what = {"reg": "file", "hardlink": "hard link", "char": "device", "block": "device"}.get(made, made)
-                    raise FormatError(f"path goes through {at[:200]!r}, which this layer makes a {what}, "
-                                      "not a directory")
-                walked.append(at)
-                at = at.rpartition("/")[0]
-            self._clear.update(walked)
+        at = parent
+        walked = []
+        while at and at not in self._clear:  # every parent this layer itself made must be a directory
+            made = self.seen.get(at)          # (no path through its own links)
+            if made is not None and made != "dir":
+                what = {"reg": "file", "hardlink": "hard link", "char": "device", "block": "device"}.get(made, made)
+                raise FormatError(f"path goes through {at[:200]!r}, which this layer makes a {what}, not a directory")
+            walked.append(at)
+            at = at.rpartition("/")[0]
+        self._clear.update(walked)
         kind = type
         if whiteouts and whiteout_target(clean) is not None:
             if type == "dir":
