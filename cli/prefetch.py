@@ -75,7 +75,19 @@ def cmd_save(args: argparse.Namespace) -> int:
         raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
                          "start a container of it there first")
     profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
-    _print(_summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers)), args.json)
+    # Pages a profile prefetch put in the page cache (LayerFS.page_in) were read by the
+    # kernel, not through shoal-fs: the trace lacks them, and they are the published
+    # profile's chunks, so that profile goes first (a union, in first-use order).
+    paged = sum(int(ly.get("paged_in_bytes") or 0) for ly in fs.status().get("layers", [])
+                if ly.get("digest") in layers)
+    if paged:
+        from prefetch.profile import fetch_profile
+
+        published = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers)
+        if published is not None:
+            profile = published.merge(profile)
+    summary = _summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers))
+    _print({**summary, "paged_in_bytes": paged}, args.json)
     return 0
 
 
@@ -419,7 +431,9 @@ def add_parser(sub) -> None:
     r.set_defaults(func=cmd_record, after_dashes=[])
     s = ps.add_parser("save", help="publish what a node read of an image",
                       description="Turn what the node at --root read of REF's layers (since its layer file "
-                      "system started) into REF's access profile. Run REF's start on that node first.")
+                      "system started) into REF's access profile. Run REF's start on that node first. Pages the node put "
+                      "in the kernel's page cache from REF's published profile were read past that trace: the "
+                      "published profile is then merged in first.")
     s.add_argument("ref", metavar="REF", help="HOST/REPO:TAG or HOST/REPO@sha256:... (docker:// optional)")
     s.add_argument("--root", default=DEFAULT_ROOT, help=f"the node's --root (default {DEFAULT_ROOT})")
     s.add_argument("--push", action="store_true", help="push the profile next to the image in its registry")
