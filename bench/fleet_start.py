@@ -30,7 +30,7 @@ Scenarios, per N:
 --passthrough both runs each shoal scenario twice, with the nodes' FUSE passthrough
 (`[fetch] passthrough`, docs/snapshotter.md) and then without: the same run's A/B (`off,on`:
 the other order; the first shoal run of a sitting tends to be the slow one). --page-in the
-same for `[fetch] page_in` (the page-in of the profile's files: (c)'s prefetch at the pull, (d)'s preheat);
+same for `[fetch] page_in` (a preheat's page-in of the profile's files: what (d) measures);
 with both knobs given, every pair of their values.
 
 --repeat K runs the whole sequence K times over (every N's scenarios, then again), so

@@ -71,21 +71,24 @@ def cmd_save(args: argparse.Namespace) -> int:
     if not fs.running():
         raise ShoalError(f"no layer file system runs at {args.root}: run the image on that node first")
     chunks = fs.profile(layers)
-    if not chunks:
-        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
-                         "start a container of it there first")
-    profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
     # Pages a profile prefetch put in the page cache (LayerFS.page_in) were read by the
     # kernel, not through shoal-fs: the trace lacks them, and they are the published
     # profile's chunks, so that profile goes first (a union, in first-use order).
     paged = sum(int(ly.get("paged_in_bytes") or 0) for ly in fs.status().get("layers", [])
                 if ly.get("digest") in layers)
+    if not chunks and not paged:
+        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
+                         "start a container of it there first")
+    profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
     if paged:
         from prefetch.profile import fetch_profile
 
         published = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers)
         if published is not None:
             profile = published.merge(profile)
+    if not profile.chunks:
+        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers through shoal-fs "
+                         "and its image has no published profile: start a container of it there first")
     summary = _summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers))
     _print({**summary, "paged_in_bytes": paged}, args.json)
     return 0

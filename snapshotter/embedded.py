@@ -129,9 +129,7 @@ class EmbeddedNode:
         os.makedirs(logs)
         node_config = os.path.join(self.dir, "node.toml")
         with open(node_config, "w") as f:
-            # page_in off: a recording traces every read, and pages a prefetch of the
-            # published profile put in the page cache would be read past the trace
-            f.write(f"[fetch]\nplain_http_hosts = {json.dumps(self.plain_http_hosts)}\npage_in = false\n")
+            f.write(f"[fetch]\nplain_http_hosts = {json.dumps(self.plain_http_hosts)}\n")  # (a JSON list is TOML)
         with open(os.path.join(logs, "node.log"), "ab") as out:
             self._node = subprocess.Popen(
                 [sys.executable, "-m", "cli", "node", "--root", self.root, "--socket", sock, "--config", node_config],

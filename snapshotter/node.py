@@ -79,8 +79,7 @@ class FetchConfig:
     # the kernel's read-ahead on lazy layers' files (KiB; FUSE's own default is 128)
     readahead_kb: int = field(default=1024, metadata=limits(min=0, max=1 << 20))
     passthrough: bool = True  # files of one stored chunk read by the kernel from the store (FUSE passthrough; docs/snapshotter.md)
-    # a profile prefetch (a preheat's, or the one at an image's first prepare) also puts the profile's file pages
-    # into the page cache (LayerFS.page_in)
+    # a preheat (`shoal prefetch`) also reads the profile's file pages into the page cache (LayerFS.page_in)
     page_in: bool = True
     prefetch_profiles: bool = True  # fetch the chunks of an image's published access profile (shoal profile save) at its first prepare
     # compressed bytes one image's profile may make the node fetch (the first ones in its order)

@@ -76,10 +76,8 @@ def test_lazy_image_starts_through_containerd_and_fetches_only_what_it_reads(reg
 
 def test_a_published_access_profile_is_prefetched_by_a_cold_node(registry, images, node_and_containerd):
     """Node 1 runs the image; `shoal profile save --push` publishes what it read. On a cold
-    node 2, `shoal pull` alone (its Prepares name the manifest) brings those chunks in and
-    puts their files' pages into the kernel's page cache, so the same container then reads
-    nothing from the registry and almost nothing through shoal-fs; a profile node 2 saves
-    still has every chunk of the published one (the kernel read those pages, not the trace)."""
+    node 2, `shoal pull` alone (its Prepares name the manifest) brings those chunks in,
+    and the same container then reads nothing from the registry."""
     _, lazy, manifest = images
     node, ctd = node_and_containerd
     shoal_json("pull", lazy, "--address", ctd.address, "--namespace", "shoal-test")
@@ -94,18 +92,10 @@ def test_a_published_access_profile_is_prefetched_by_a_cold_node(registry, image
 
         status = wait_for(prefetched, "every chunk of the profile to be prefetched", interval=0.2)
         assert status["prefetch"]["queued_chunks"] == saved["chunks"]
-        status = wait_for(lambda: (st := shoal_json("status", "--root", str(cold.root)))["prefetch"]["jobs_pending"] == 0
-                          and st, "the prefetch's page-in", interval=0.2)
-        paged = sum(ly["paged_in_bytes"] for ly in status["lazy_layers"])
-        assert paged > 0
         mark = blob_bytes(registry, manifest)
         out2 = ctd2.ctr("run", "--rm", "--snapshotter", "shoal", lazy, "e2e-p2", *CMD).stdout
         assert out2 == out
         assert blob_bytes(registry, manifest) == mark
-        status = shoal_json("status", "--root", str(cold.root))
-        assert sum(ly["read_bytes"] for ly in status["lazy_layers"]) < paged / 20
-        resaved = shoal_json("profile", "save", lazy, "--root", str(cold.root), "--out", str(cold.root / "p.json"))
-        assert resaved["paged_in_bytes"] == paged and resaved["chunks"] >= saved["chunks"]
 
 
 def test_unconverted_layers_are_unpacked_by_the_node(registry, images, node_and_containerd):

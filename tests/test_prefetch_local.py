@@ -119,6 +119,13 @@ def test_profile_mode_warms_the_profile_and_the_start_reads_nothing_from_the_reg
         assert out == out_first and served == 0
         # (left: the part pages where a file's profile chunks meet chunks it did not read)
         assert sum(layer_figures(cold, "read_bytes").values()) < sum(paged.values()) / 20
+        # the kernel read the paged bytes, not the trace: a profile this node saves merges
+        # the published one in first, so it keeps every chunk of it
+        resaved = shoal("profile", "save", ref, "--root", str(cold.root), "--out", str(cold.root / "p.json"), "--json")
+        assert resaved.returncode == 0, resaved.stderr
+        resaved_doc = json.loads(resaved.stdout)
+        assert resaved_doc["paged_in_bytes"] >= sum(paged.values()) > 0
+        assert resaved_doc["chunks"] >= json.loads(saved.stdout)["chunks"]
 
 
 def layer_figures(node, name: str) -> dict[str, int]:

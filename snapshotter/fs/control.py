@@ -159,9 +159,9 @@ class NodeControl:
         if not isinstance(sparse, list) or not all(isinstance(d, str) for d in sparse):
             raise ValueError("prefetch: sparse must be a list of layer digests")
         warmup = self.fs.warmup
-        # a profile (no whole layers), a preheat's or a start's, is paged in as well: warmup.prefetch
+        # a preheat's profile (background, no whole layers) is paged in as well: warmup.prefetch
         return {"queued": self._on_loop(lambda: warmup.prefetch(entries + warmup.whole_layers(whole), part,
-                                                                background, sparse, page_in=not whole))}
+                                                                background, sparse, page_in=background and not whole))}
 
     def warmth(self, req: dict) -> dict:
         entries, whole = self._entries(req)
