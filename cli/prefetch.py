@@ -61,7 +61,7 @@ def _print(summary: dict, as_json: bool) -> None:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from prefetch.profile import Profile
+    from prefetch.profile import Profile, fetch_profile
     from snapshotter.fs.client import FSClient
 
     if not args.push and not args.out:
@@ -76,19 +76,14 @@ def cmd_save(args: argparse.Namespace) -> int:
     # profile's chunks, so that profile goes first (a union, in first-use order).
     paged = sum(int(ly.get("paged_in_bytes") or 0) for ly in fs.status().get("layers", [])
                 if ly.get("digest") in layers)
-    if not chunks and not paged:
-        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
-                         "start a container of it there first")
     profile = Profile(manifest, [(d, int(a), int(b)) for d, a, b in chunks])
     if paged:
-        from prefetch.profile import fetch_profile
-
         published = fetch_profile(parsed.host, parsed.repository, manifest, plain, layers)
         if published is not None:
             profile = published.merge(profile)
     if not profile.chunks:
-        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers through shoal-fs "
-                         "and its image has no published profile: start a container of it there first")
+        raise ShoalError(f"the node at {args.root} has read nothing of {args.ref}'s layers yet: "
+                         "start a container of it there first")
     summary = _summary(args.ref, profile, "saved to " + _publish(args, parsed, plain, profile, layers))
     _print({**summary, "paged_in_bytes": paged}, args.json)
     return 0
