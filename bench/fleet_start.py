@@ -59,11 +59,12 @@ there to the command's output on that node. Per run:
 - cpu_busy: the machine's CPU use over the run (1.0 = both cores busy): where it reaches
   about 1, the CPU and not the network sets the times.
 - cpu_s: CPU seconds over the start window by role, from cgroup v1 cpuacct groups of the
-  benchmark's own (common.CpuGroups): registry, region, shoal (each node's `shoal node` and
-  layer file system), containerd (with its shims), work (the containers), clients (`shoal
-  pull`, `ctr`), other (the rest of the machine: the kernel's network, anything else
-  running). For (d), local_cpu_s is the same for the local start: N such starts on this
-  machine's cores need at least N x its CPU seconds / cores, whatever the network.
+  benchmark's own (common.CpuGroups): registry, region, shoal (each node's `shoal node`),
+  shoal_fs (each node's layer file system: its server and its FUSE session's holder),
+  containerd (with its shims), work (the containers), clients (`shoal pull`, `ctr`), other
+  (the rest of the machine: the kernel's network, anything else running). For (d),
+  local_cpu_s is the same for the local start: N such starts on this machine's cores need
+  at least N x its CPU seconds / cores, whatever the network.
 - --py-spy DIR records py-spy profiles (raw collapsed stacks, samples of the thread holding
   the GIL: Python's own CPU, not threads waiting for a core or in native code) of the region
   and every node's processes over each shoal start window; --perf adds `perf record -g`.
@@ -307,8 +308,8 @@ class Fleet:
             servers = [lazy_start.start_containerd_in(HostNs(node.host), node.dir / "c", self.procs,
                                                       proxy_socket=node.socket) for node in nodes]
             self.cpu.add("region", [region.proc.pid])
-            self.cpu.add("shoal", [node.proc.pid for node in nodes]
-                         + [pid for node in nodes for pid in netlab.fs_pids(node.root)])
+            self.cpu.add("shoal", [node.proc.pid for node in nodes])
+            self.cpu.add("shoal_fs", [pid for node in nodes for pid in netlab.fs_pids(node.root)])
             self.cpu.add("containerd", [s.pid for s in servers])
 
             def work(i: int, cid: str = "fleet") -> None:
@@ -398,13 +399,13 @@ class Fleet:
             for pid in [node.proc.pid, *sorted(netlab.fs_pids(node.root))]]
         out = []
         if self.perf:  # perf record of the same processes, for the native side (zstd, hashes, kernel)
-            out.append(subprocess.Popen(["perf", "record", "-g", "-F", "499", "-o", str(self.spy_dir / f"{label}.perf"),
+            out.append(subprocess.Popen(["perf", "record", "-g", "-F", "999", "-o", str(self.spy_dir / f"{label}.perf"),
                                          "-p", ",".join(str(pid) for _, pid in targets)],
                                         stdout=subprocess.DEVNULL,
                                         stderr=open(self.spy_dir / f"{label}.perf.log", "wb")))  # noqa: SIM115
         for name, pid in targets:
             path = self.spy_dir / f"{label}-{name}-{pid}.txt"
-            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "50", "--gil",
+            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "200", "--gil",
                                          "--nonblocking", "-f", "raw", "-o", str(path)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
