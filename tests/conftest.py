@@ -35,9 +35,12 @@ from tests.services import REGISTRY_BIN
 
 # Under pytest-xdist (make test runs files on two workers): each worker gets a temporary
 # directory of its own, so that what one worker's tests look for there (an embedded
-# node's leftovers) is never another's. Processes the tests start inherit it.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    _tmp = Path("/tmp") / f"shoal-{os.environ['PYTEST_XDIST_WORKER']}-{os.getpid()}"
+# node's leftovers) is never another's. Processes the tests start inherit it, and a
+# process a test starts that imports this module (test_tenancy's token server) keeps it:
+# a directory of its own would outlive it (only the worker removes its directory).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and not os.path.basename(os.environ.get("TMPDIR", "")).startswith(f"shoal-{_WORKER}-"):
+    _tmp = Path("/tmp") / f"shoal-{_WORKER}-{os.getpid()}"
     _tmp.mkdir(mode=0o700, exist_ok=True)
     os.environ["TMPDIR"] = str(_tmp)
     import tempfile
