@@ -21,7 +21,7 @@ def _import_conftest(env: dict) -> tuple[int, str]:
     return proc.pid, out.strip()
 
 
-def test_a_process_a_test_starts_keeps_its_worker_s_temporary_directory(tmp_path):
+def test_a_process_a_test_starts_keeps_its_worker_s_temporary_directory():
     """A worker makes /tmp/shoal-<worker>-<pid> and removes it when it ends. A process a
     test starts inherits it; one that imports tests/conftest.py (test_tenancy's token
     server does) keeps it rather than making one of its own, which nobody would remove
