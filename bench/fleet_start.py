@@ -57,7 +57,9 @@ there to the command's output on that node. Per run:
   image's compressed size; region_bytes_ratio: bytes the nodes took from the region /
   read_bytes; peer_bytes: bytes the nodes took from each other.
 - cpu_busy: the machine's CPU use over the run (1.0 = both cores busy): where it reaches
-  about 1, the CPU and not the network sets the times.
+  about 1, the CPU and not the network sets the times: then p99_s is close to
+  sum(cpu_s) / cores / cpu_busy (every role's CPU second is start time, since all the
+  nodes share this machine's cores), and a ratio between scenarios is a ratio of CPU.
 - cpu_s: CPU seconds over the start window by role, from cgroup v1 cpuacct groups of the
   benchmark's own (common.CpuGroups): registry, region, shoal (each node's `shoal node`),
   shoal_fs (each node's layer file system: its server and its FUSE session's holder),
@@ -65,9 +67,15 @@ there to the command's output on that node. Per run:
   (the rest of the machine: the kernel's network, anything else running). For (d),
   local_cpu_s is the same for the local start: N such starts on this machine's cores need
   at least N x its CPU seconds / cores, whatever the network.
+- machine_speed: before and after the runs, one core's seconds for a fixed Python loop
+  and sha256's MB/s (bench/common.py machine_speed): machines of one kind here differ by
+  several times and drift within a run, so only ratios within one run compare.
+- pull_s: per node, seconds from the release to the end of its pull (`ctr image pull`,
+  `shoal pull`); the rest of its time is `ctr run` (the container's start and its work).
 - --py-spy DIR records py-spy profiles (raw collapsed stacks, samples of the thread holding
-  the GIL: Python's own CPU, not threads waiting for a core or in native code) of the region
-  and every node's processes over each shoal start window; --perf adds `perf record -g`.
+  the GIL: Python's own CPU, not threads waiting for a core or in native code; with
+  SHOAL_BENCH_SPY_ALL=1 in the environment, every thread's) of the region and every node's
+  processes over each shoal start window; --perf adds `perf record -g`.
 
 Then a model (labelled so) fitted on the measured runs of each scenario (p99 = x + y*N for
 a, whose origin uplink carries N copies; p99 = x + y*log2(N) for shoal, one copy and a
@@ -129,6 +137,7 @@ class HostNs:
 @dataclass
 class NodeRun:
     seconds: float | None = None
+    pull_s: float | None = None  # from the release to the pull's end (the rest is `ctr run`)
     error: str = ""
     figures: dict = field(default_factory=dict)
 
@@ -153,7 +162,8 @@ def cpu_ticks() -> tuple[int, int]:
 
 def start_at_once(jobs: list, work) -> list[NodeRun]:
     """Run work(job) for every job on a thread of its own, all released by one barrier;
-    each NodeRun's seconds from the release to its end."""
+    each NodeRun's seconds from the release to its end, and its pull_s from the release
+    to the time.perf_counter() work returns (when its pull ended)."""
     barrier = threading.Barrier(len(jobs) + 1)
     out = [NodeRun() for _ in jobs]
 
@@ -161,8 +171,9 @@ def start_at_once(jobs: list, work) -> list[NodeRun]:
         barrier.wait()
         t0 = time.perf_counter()
         try:
-            work(jobs[i])
+            pulled = work(jobs[i])
             out[i].seconds = time.perf_counter() - t0
+            out[i].pull_s = pulled - t0
         except BenchFailure as e:
             out[i].error = str(e)
 
@@ -272,14 +283,16 @@ class Fleet:
                    enumerate(self.hosts[:n])]
         self.cpu.add("containerd", [s.pid for s in servers])
         try:
-            def work(i: int) -> None:
+            def work(i: int) -> float:
                 ns, server = HostNs(self.hosts[i]), servers[i]
                 lazy_start.run_cmd(self.clients(lazy_start.ctr(ns, server, "image", "pull", "--plain-http",
                                                                self.gz_ref)), lazy_start.PULL_TIMEOUT, "ctr image pull")
+                pulled = time.perf_counter()
                 out = lazy_start.run_cmd(self.clients(lazy_start.ctr_run(
                     ns, server, self.gz_ref, f"fleet{i}", self.image.cmd,
                     cgroup=self.cpu.path("work", f"r{self.runs}-{i}"))), lazy_start.RUN_TIMEOUT, "ctr run")
                 lazy_start.check_output(out, self.image.expected, "ctr run (overlayfs)")
+                return pulled
 
             before, w0 = registry_bytes(self.registry), self.window()
             results = start_at_once(list(range(n)), work)
@@ -312,16 +325,18 @@ class Fleet:
             self.cpu.add("shoal_fs", [pid for node in nodes for pid in netlab.fs_pids(node.root)])
             self.cpu.add("containerd", [s.pid for s in servers])
 
-            def work(i: int, cid: str = "fleet") -> None:
+            def work(i: int, cid: str = "fleet") -> float:
                 ns, server = HostNs(nodes[i].host), servers[i]
                 lazy_start.run_cmd(self.clients([*ns.prefix, common.SHOAL, "pull", self.ref, "--address",
                                                  server.address, "--namespace", NAMESPACE, "--plain-http"]),
                                    lazy_start.PULL_TIMEOUT, "shoal pull")
+                pulled = time.perf_counter()
                 out = lazy_start.run_cmd(self.clients(lazy_start.ctr_run(
                     ns, server, self.ref, f"{cid}{i}", self.image.cmd, snapshotter="shoal",
                     cgroup=self.cpu.path("work", f"r{self.runs}-{cid}{i}"))), lazy_start.RUN_TIMEOUT,
                     "ctr run --snapshotter shoal")
                 lazy_start.check_output(out, self.image.expected, "ctr run --snapshotter shoal")
+                return pulled
 
             warm: dict = {}
             if preheat:
@@ -405,7 +420,8 @@ class Fleet:
                                         stderr=open(self.spy_dir / f"{label}.perf.log", "wb")))  # noqa: SIM115
         for name, pid in targets:
             path = self.spy_dir / f"{label}-{name}-{pid}.txt"
-            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "200", "--gil",
+            gil = [] if os.environ.get("SHOAL_BENCH_SPY_ALL") else ["--gil"]
+            out.append(subprocess.Popen([str(common.VENV_BIN / "py-spy"), "record", "-p", str(pid), "-r", "200", *gil,
                                          "--nonblocking", "-f", "raw", "-o", str(path)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
@@ -458,6 +474,7 @@ class Fleet:
             "p50_s": round(percentile(times, 50), 3) if times else None,
             "p99_s": round(percentile(times, 99), 3) if times else None,
             "times_s": [round(t, 3) for t in times],
+            "pull_s": [round(r.pull_s, 3) for r in results if r.pull_s is not None],
             "origin_bytes": origin, "read_bytes": read, "image_bytes": image_bytes,
             "origin_bytes_ratio": round(origin / read, 3) if read else None,
             "origin_image_ratio": round(origin / image_bytes, 3) if image_bytes else None,
@@ -468,7 +485,9 @@ class Fleet:
         }
         if errors:
             out["errors"] = [e[:3000] for e in errors]
-        common.say(f"N={n} ({scenario}): p50 {out['p50_s']} s, p99 {out['p99_s']} s, origin {origin / 1e6:,.1f} MB "
+        pulls = out["pull_s"]
+        common.say(f"N={n} ({scenario}): p50 {out['p50_s']} s, p99 {out['p99_s']} s"
+                   + (f" (pull done at {min(pulls)}-{max(pulls)} s)" if pulls else "") + f", origin {origin / 1e6:,.1f} MB "
                    f"({out['origin_bytes_ratio']}x of one read, {out['origin_image_ratio']}x of the image), "
                    f"region {from_region / 1e6:,.1f} MB, peers {peers / 1e6:,.1f} MB, CPU {out['cpu_busy']:.0%}"
                    + (f"; {len(errors)} node(s) FAILED: {errors[0][:300]}" if errors else ""))
@@ -527,6 +546,8 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
     old = signal.signal(signal.SIGTERM, on_term)
     runs: list[dict] = []
     images = []
+    speed = [common.machine_speed()]
+    common.say(f"machine: {speed[0]['python_loop_s']} s for the Python loop, sha256 {speed[0]['sha256_mb_s']} MB/s")
     try:
         groups: list[tuple[Image, list[int]]] = []
         big = [n for n in nodes if quick is False and (small_from is None or n < small_from)]
@@ -573,8 +594,9 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
                     procs.stop_all()
                     if fleet is not None:
                         fleet.cpu.close()
+        speed.append(common.machine_speed())
         return {"quick": quick, "rate_mbit": rate, "registry_rate_mbit": registry_rate, "cores": common.cores(),
-                "images": images, "runs": runs, "model": model(runs)}
+                "machine_speed": speed, "images": images, "runs": runs, "model": model(runs)}
     finally:
         signal.signal(signal.SIGTERM, old)
         lazy_start.finish(work, procs, keep)
@@ -618,16 +640,19 @@ def report(f: dict) -> str:
         a = _baseline(by, r)
         vs = f"{r['p99_s'] / a['p99_s']:.3f}x" if a and a["p99_s"] and r["p99_s"] else "-"
         rows.append([r["nodes"], _scenario(r), *([r.get("repeat", 0)] if repeats > 1 else []), r["p50_s"], r["p99_s"],
+                     max(r["pull_s"]) if r.get("pull_s") else "",
                      vs, r["origin_bytes_ratio"], r["origin_image_ratio"], r["region_bytes_ratio"],
                      f"{r['peer_bytes'] / 1e6:,.1f}", f"{r['read_bytes'] / 1e6:,.1f}", f"{r['cpu_busy']:.0%}",
                      "FAILED" if r.get("errors") else ""])
     lines = [(f"fleet start: node links {f['rate_mbit']:g} Mbit/s, registry uplink {f['registry_rate_mbit']:g} Mbit/s, "
              f"{f['cores']} cores"),
+             *[f"machine {when}: {m['python_loop_s']} s for the fixed Python loop, sha256 {m['sha256_mb_s']} MB/s"
+               for when, m in zip(("before", "after"), f.get("machine_speed", []))],
              *[f"image: {i['image']} (gzip {i['gzip_bytes'] / 1e6:,.1f} MB, shoal {i['shoal_bytes'] / 1e6:,.1f} MB), "
                f"N = {i['nodes']}" for i in f["images"]],
              ("a: containerd pull + run; b: shoal, cold region, no profile; c: shoal with the access profile; "
              "d: c after the preheat API warmed the nodes"), "",
-             common.table(["N", "scen", *(["rep"] if repeats > 1 else []), "p50 s", "p99 s", "p99/(a)", "origin/read",
+             common.table(["N", "scen", *(["rep"] if repeats > 1 else []), "p50 s", "p99 s", "pulled s", "p99/(a)", "origin/read",
                            "origin/image", "region/read", "peer MB", "read MB", "CPU", ""], rows), ""]
     groups: dict[tuple, list[float]] = {}
     for r in f["runs"]:
