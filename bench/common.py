@@ -45,10 +45,15 @@ def cache_dir() -> Path:
 
 
 def machine_speed() -> dict:
-    """Seconds one core takes for a fixed piece of Python (10^7 additions) and MB/s of
-    sha256: how fast this machine is now. Machines of one kind differ by several times
-    and one machine drifts within a run; figures of two runs compare only through these."""
+    """How fast this machine is now, by four fixed pieces of work on one core: seconds
+    for 10^7 Python additions (the interpreter, cache-resident), MB/s of sha256, seconds
+    to fault in 256 MiB of fresh anonymous memory (page faults, the kernel zeroing
+    pages), and GB/s of copying a 64 MiB buffer that is already mapped (memory
+    bandwidth). Machines of one kind differ by several times, one machine drifts within a
+    run, and the interpreter's figure alone can stay put while the memory-bound ones move
+    (a start is a memory-heavy mix); figures of two runs compare only through these."""
     import hashlib
+    import mmap
 
     t0 = time.perf_counter()
     total = 0
@@ -57,7 +62,27 @@ def machine_speed() -> dict:
     t1 = time.perf_counter()
     hashlib.sha256(bytes(64 << 20)).digest()
     t2 = time.perf_counter()
-    return {"python_loop_s": round(t1 - t0, 3), "sha256_mb_s": round(64 * 1.048576 / (t2 - t1))}
+    area = mmap.mmap(-1, 256 << 20)
+    for at in range(0, 256 << 20, mmap.PAGESIZE):
+        area[at] = 1
+    t3 = time.perf_counter()
+    area.close()
+    src, dst = bytearray(64 << 20), bytearray(64 << 20)
+    dst[:] = src  # (both mapped before the timed copies)
+    t4 = time.perf_counter()
+    for _ in range(8):
+        dst[:] = src
+    t5 = time.perf_counter()
+    return {"python_loop_s": round(t1 - t0, 3), "sha256_mb_s": round(64 * 1.048576 / (t2 - t1)),
+            "fault_256mib_s": round(t3 - t2, 3), "copy_gb_s": round(8 * 64 * 1.048576 / 1000 / (t5 - t4), 2)}
+
+
+def speed_line(m: dict) -> str:
+    """machine_speed()'s figures in one line (a report's header)."""
+    line = f"{m['python_loop_s']} s for the fixed Python loop, sha256 {m['sha256_mb_s']} MB/s"
+    if "fault_256mib_s" in m:  # (runs recorded before these were measured lack them)
+        line += f", {m['fault_256mib_s']} s to fault in 256 MiB, copies at {m['copy_gb_s']} GB/s"
+    return line
 
 
 def cores() -> int:

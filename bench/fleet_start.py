@@ -67,9 +67,10 @@ there to the command's output on that node. Per run:
   (the rest of the machine: the kernel's network, anything else running). For (d),
   local_cpu_s is the same for the local start: N such starts on this machine's cores need
   at least N x its CPU seconds / cores, whatever the network.
-- machine_speed: before and after the runs, one core's seconds for a fixed Python loop
-  and sha256's MB/s (bench/common.py machine_speed): machines of one kind here differ by
-  several times and drift within a run, so only ratios within one run compare.
+- machine_speed: before and after the runs, one core's seconds for a fixed Python loop,
+  sha256's MB/s, page faults and copies (bench/common.py machine_speed): machines of one
+  kind here differ by several times and drift within a run, so only ratios within one run
+  compare.
 - pull_s: per node, seconds from the release to the end of its pull (`ctr image pull`,
   `shoal pull`); the rest of its time is `ctr run` (the container's start and its work).
 - --py-spy DIR records py-spy profiles (raw collapsed stacks, samples of the thread holding
@@ -188,11 +189,13 @@ def start_at_once(jobs: list, work) -> list[NodeRun]:
 
 def node_figures(node: netlab.LabNode, run: NodeRun, sources: bool = False) -> dict:
     """The node's `shoal status` fetch figures (and, with `sources`, its fetch chain's
-    figures per source: the swarm's piece counts and peer waits)."""
+    figures per source: the swarm's piece counts and peer waits; and its layer file
+    system's FUSE requests per opcode: count and the server's seconds)."""
     try:
         status = node.status()
         if sources:
-            return {**status["fetch"], "sources": (status.get("data_path") or {}).get("sources")}
+            return {**status["fetch"], "sources": (status.get("data_path") or {}).get("sources"),
+                    "fs_ops": (status.get("fs_server") or {}).get("ops")}
         return status["fetch"]
     except (RuntimeError, ValueError, KeyError) as e:
         run.error = run.error or f"status: {e}"
@@ -547,7 +550,7 @@ def measure(nodes: list[int], quick: bool, rate: float, registry_rate: float, sm
     runs: list[dict] = []
     images = []
     speed = [common.machine_speed()]
-    common.say(f"machine: {speed[0]['python_loop_s']} s for the Python loop, sha256 {speed[0]['sha256_mb_s']} MB/s")
+    common.say(f"machine: {common.speed_line(speed[0])}")
     try:
         groups: list[tuple[Image, list[int]]] = []
         big = [n for n in nodes if quick is False and (small_from is None or n < small_from)]
@@ -646,8 +649,7 @@ def report(f: dict) -> str:
                      "FAILED" if r.get("errors") else ""])
     lines = [(f"fleet start: node links {f['rate_mbit']:g} Mbit/s, registry uplink {f['registry_rate_mbit']:g} Mbit/s, "
              f"{f['cores']} cores"),
-             *[f"machine {when}: {m['python_loop_s']} s for the fixed Python loop, sha256 {m['sha256_mb_s']} MB/s"
-               for when, m in zip(("before", "after"), f.get("machine_speed", []))],
+             *[f"machine {when}: {common.speed_line(m)}" for when, m in zip(("before", "after"), f.get("machine_speed", []))],
              *[f"image: {i['image']} (gzip {i['gzip_bytes'] / 1e6:,.1f} MB, shoal {i['shoal_bytes'] / 1e6:,.1f} MB), "
                f"N = {i['nodes']}" for i in f["images"]],
              ("a: containerd pull + run; b: shoal, cold region, no profile; c: shoal with the access profile; "

@@ -17,9 +17,15 @@ so each pass reaches shoal-fs. Phases, each `--repeat` times (the median is repo
   at random aligned offsets of the big file: each pread is one READ request, so the
   syscall's latency is the request's round trip through shoal-fs (p50/p99 reported).
 
-For each: MB/s, the FUSE READ requests shoal-fs counted (`ops.read` of its status, and
-the mean bytes per request), and the CPU seconds shoal-fs used (utime + stime from
-/proc/PID/stat, all its threads; the user part apart; per READ request).
+- `getxattr`: trusted.overlay.metacopy of every small file, over and over (answered
+  ENODATA), by one thread: what overlayfs asks of each lower file it looks up, a third of
+  the requests of a container's start (bench/fleet_start.py's fs_ops);
+- `open+close`: every small file opened and closed, by one thread (OPEN and RELEASE).
+
+For each: MB/s (the read phases), the FUSE requests of the phase's kind shoal-fs counted
+(`ops.read`, `ops.getxattr`, `ops.open` of its status, and the mean bytes per READ), and
+the CPU seconds shoal-fs used (utime + stime from /proc/PID/stat, all its threads; the
+user part apart; per request).
 
 The same file runs against an older tree (e.g. 16b26e4, shoal-fs on pyfuse3: `git
 worktree add /tmp/x 16b26e4`, then PYTHONPATH=/tmp/x): it uses only what both have
@@ -31,6 +37,7 @@ tests.test_lazy_fs.publish_tree/layer_labels), from the tree PYTHONPATH names.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -148,8 +155,28 @@ def direct_reads(path: Path, size: int, count: int, threads: int, seed: int) -> 
     return sum(n for n, _ in out), [t for _, t in out]
 
 
-def fs_reads(layers: RemoteLayers) -> int:
-    return int(layers.fs.status().get("ops", {}).get("read", {}).get("count", 0))
+def fs_requests(layers: RemoteLayers, op: str = "read") -> int:
+    """How many requests of kind `op` (read, getxattr, open) shoal-fs has answered."""
+    return int(layers.fs.status().get("ops", {}).get(op, {}).get("count", 0))
+
+
+def getxattrs(paths: list[Path], passes: int) -> tuple[int, list]:
+    """What overlayfs asks of a lower file at its lookup, `passes` times over `paths`."""
+    for _ in range(passes):
+        for path in paths:
+            try:
+                os.getxattr(path, "trusted.overlay.metacopy")
+            except OSError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+    return 0, []
+
+
+def opens(paths: list[Path], passes: int) -> tuple[int, list]:
+    for _ in range(passes):
+        for path in paths:
+            os.close(os.open(path, os.O_RDONLY))
+    return 0, []
 
 
 def measure(quick: bool, repeat: int, threads: int, ops: int = 0) -> dict:
@@ -186,32 +213,38 @@ def measure(quick: bool, repeat: int, threads: int, ops: int = 0) -> dict:
                             lambda: (sum(in_threads(threads, small_paths, read_whole)), [])),
             "rand 4k": (None, lambda: direct_reads(big_path, 4096, rand_ops, threads, 1)),
             "rand 128k": (None, lambda: direct_reads(big_path, 128 << 10, rand_ops // 4, threads, 2)),
+            "getxattr": (None, lambda: getxattrs(small_paths, max(1, 4 * rand_ops // small))),
+            "open+close": (None, lambda: opens(small_paths, max(1, rand_ops // small))),
         }
+        counted = {"getxattr": "getxattr", "open+close": "open"}
         figures: dict = {"tree": str(_TREE), "threads": threads, "repeat": repeat, "big_bytes": big,
                          "small_files": small, "phases": {}}
         for name, (before, fn) in phases.items():
             runs = []
+            op = counted.get(name, "read")
             for _ in range(repeat):
                 if before:
                     before()
-                requests, (user, system) = fs_reads(layers), cpu_seconds(pid)
+                requests, (user, system) = fs_requests(layers, op), cpu_seconds(pid)
                 start = time.perf_counter()
                 nbytes, latencies = fn()
                 seconds = time.perf_counter() - start
                 user_after, system_after = cpu_seconds(pid)
-                requests = fs_reads(layers) - requests
+                requests = fs_requests(layers, op) - requests
                 user, system = user_after - user, system_after - system
                 cpu = user + system
                 run = {"seconds": seconds, "bytes": nbytes, "mb_s": nbytes / seconds / 1e6, "requests": requests,
-                       "bytes_per_request": nbytes // requests if requests else None, "fs_cpu_s": cpu,
+                       "bytes_per_request": nbytes // requests if requests and nbytes else None, "fs_cpu_s": cpu,
                        "fs_user_s": user, "fs_cpu_us_per_request": cpu / requests * 1e6 if requests else None}
                 if latencies:
                     q = statistics.quantiles(latencies, n=100)
                     run |= {"p50_us": q[49] * 1e6, "p99_us": q[98] * 1e6}
                 runs.append(run)
-                common.say(f"{name}: {run['mb_s']:.0f} MB/s, {requests} requests, shoal-fs {cpu:.2f} CPU s")
-            best = sorted(runs, key=lambda r: r["mb_s"])[len(runs) // 2]  # the median run
-            figures["phases"][name] = {**best, "runs": [r["mb_s"] for r in runs]}
+                common.say(f"{name}: {run['mb_s']:.0f} MB/s, {requests} {op} requests, shoal-fs {cpu:.2f} CPU s")
+            # the median run: by MB/s, or for a phase of metadata requests by CPU per request
+            key = "mb_s" if name not in counted else "fs_cpu_us_per_request"
+            best = sorted(runs, key=lambda r: r[key] or 0)[len(runs) // 2]
+            figures["phases"][name] = {**best, "runs": [r[key] for r in runs]}
         return figures
     finally:
         if layers is not None:
@@ -224,14 +257,14 @@ def measure(quick: bool, repeat: int, threads: int, ops: int = 0) -> dict:
 def report(f: dict) -> str:
     rows = []
     for name, ph in f["phases"].items():
-        rows.append([name, f"{ph['mb_s']:.0f}", ph["requests"], ph["bytes_per_request"] or "-",
+        rows.append([name, f"{ph['mb_s']:.0f}" if ph["bytes"] else "-", ph["requests"], ph["bytes_per_request"] or "-",
                      f"{ph['p50_us']:.0f}" if "p50_us" in ph else "-", f"{ph['p99_us']:.0f}" if "p99_us" in ph else "-",
                      f"{ph['fs_cpu_s']:.2f}", f"{ph['fs_user_s']:.2f}",
                      f"{ph['fs_cpu_us_per_request']:.0f}" if ph["fs_cpu_us_per_request"] else "-",
                      " ".join(f"{r:.0f}" for r in ph["runs"])])
     head = f"tree {f['tree']}, {f['threads']} threads, median of {f['repeat']}\n"
-    return head + common.table(["phase", "MB/s", "READs", "B/READ", "p50 us", "p99 us", "fs CPU s", "user s",
-                                      "CPU us/READ", "runs MB/s"],
+    return head + common.table(["phase", "MB/s", "requests", "B/READ", "p50 us", "p99 us", "fs CPU s", "user s",
+                                      "CPU us/req", "runs (MB/s; us/req)"],
                                rows)
 
 

@@ -21,7 +21,9 @@ def node_status(root: str) -> dict:
         reply = fs.status()
         held = holder.ping(root)  # the holder of its FUSE session (fs/holder.py): the mount survives the server
         status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s"),
-                               "version": fs.version, "session_holder": held["pid"] if held else None}
+                               "version": fs.version, "session_holder": held["pid"] if held else None,
+                               # FUSE requests answered so far, and the server's seconds on them, per opcode
+                               "ops": reply.get("ops", {})}
         status["lazy_layers"] = reply.get("layers", [])
         status["data_path"] = reply.get("store", {})
         status["prefetch"] = reply.get("prefetch", {})
@@ -173,4 +175,11 @@ def node_metrics(s: dict) -> str:
          "Compressed bytes of an image's prefetch target (profile chunks or whole lazy layers), by manifest digest.",
          [({"manifest": im["manifest"]}, im["target_bytes"]) for im in s.get("images", [])]),
         ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
+        ("shoal_node_fuse_requests_total", counter,
+         "FUSE requests the layer file system answered, by opcode (since the server started).",
+         [({"op": op}, v.get("count")) for op, v in sorted(((s["fs_server"] or {}).get("ops") or {}).items())]),
+        ("shoal_node_fuse_request_seconds_total", counter,
+         ("Seconds the layer file system spent answering FUSE requests, by opcode (a READ's wait for its chunks "
+          "is not in it: a worker thread answers those)."),
+         [({"op": op}, v.get("seconds")) for op, v in sorted(((s["fs_server"] or {}).get("ops") or {}).items())]),
     ])

@@ -495,6 +495,16 @@ def test_access_profile_is_recorded_published_and_prefetched(image, node, tmp_pa
         before = [registry.count("GET", b) for b in blobs]
         assert read_all(mounts_b) == want
         assert [registry.count("GET", b) for b in blobs] == before  # every chunk was there already
+        # `shoal status --json` counts the FUSE requests the layer file system answered, per opcode
+        status = subprocess.run([SHOAL, "status", "--root", str(tmp_path / "cold node"), "--json"],
+                                capture_output=True, text=True, check=True)
+        ops = json.loads(status.stdout)["fs_server"]["ops"]
+        assert ops["read"]["count"] >= 1 and ops["lookup"]["count"] >= 1 and ops["open"]["count"] >= 1
+        assert all(op["seconds"] >= 0 for op in ops.values())
+        from snapshotter.status import node_metrics
+
+        metrics = node_metrics(json.loads(status.stdout))
+        assert f'shoal_node_fuse_requests_total{{op="read"}} {ops["read"]["count"]}' in metrics, metrics
     finally:
         layers_b.fs.stop()
     assert not os.path.ismount(layers_b.fs.mnt)
