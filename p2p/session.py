@@ -181,7 +181,9 @@ def session_settings(config: SwarmConfig) -> dict:
         "send_buffer_watermark": 1 * MiB, "send_buffer_low_watermark": 256 << 10,
         "send_buffer_watermark_factor": 150,
         "aio_threads": 4, "hashing_threads": 2,
-        "tick_interval": 20,  # ms: rate limits hand out quota in small, smooth steps
+        # ms: with a rate limit, quota goes out in small, smooth steps; without one the
+        # 50 wakeups a second of every node's network thread cost its start CPU (docs/p2p.md)
+        "tick_interval": 20 if config.upload_rate_limit or config.download_rate_limit else 500,
         "request_queue_time": 10,  # s of requests in flight per peer (default 3): deep pipelines
         "allow_multiple_connections_per_ip": False,
         "anonymous_mode": False,

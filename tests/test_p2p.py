@@ -438,6 +438,16 @@ def test_peer_connections_send_without_waiting_for_acks(loopback_swarm):
     assert _wait(lambda: (got := _peer_sockets_nodelay(ports)) and all(got)), _peer_sockets_nodelay(ports)
 
 
+def test_session_ticks_fast_only_under_a_rate_limit(loopback_swarm):
+    """A live session ticks every 20 ms when a rate limit is set (quota in small steps),
+    at libtorrent's 500 ms otherwise (50 wakeups a second cost a start CPU)."""
+    plain, _ = loopback_swarm(1)
+    capped, _ = loopback_swarm(2, upload_rate_limit=10 << 20)
+    ticks = [s.session.call(lambda s=s: s.session._ses.get_settings()["tick_interval"]).result(10)
+             for s in (plain, capped)]
+    assert ticks == [500, 20]
+
+
 def test_tracker_and_region_outages_never_fail_a_read(loopback_swarm):
     """Connected peers keep exchanging when the tracker is gone; a node that cannot
     reach the tracker reads from the region; a node with neither says NotHere."""
