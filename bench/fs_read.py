@@ -244,7 +244,7 @@ def measure(quick: bool, repeat: int, threads: int, ops: int = 0) -> dict:
             # the median run: by MB/s, or for a phase of metadata requests by CPU per request
             key = "mb_s" if name not in counted else "fs_cpu_us_per_request"
             best = sorted(runs, key=lambda r: r[key] or 0)[len(runs) // 2]
-            figures["phases"][name] = {**best, "runs": [r[key] for r in runs]}
+            figures["phases"][name] = {**best, "runs": [r[key] or 0 for r in runs]}
         return figures
     finally:
         if layers is not None:

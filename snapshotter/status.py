@@ -136,6 +136,7 @@ def node_metrics(s: dict) -> str:
     f = s["fetch"]
     counter, gauge = "counter", "gauge"
     swarm = f if f["swarm"] else {}  # no swarm figures from a node without one
+    fuse_ops = sorted(((s["fs_server"] or {}).get("ops") or {}).items())  # (opcode, {count, seconds})
     return render([
         ("shoal_node_fetched_bytes_total", counter,
          "Bytes read, by source (store: decompressed chunks; others: compressed blob bytes).",
@@ -177,9 +178,9 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_layer_fs_up", gauge, "1 when the layer file system server answers.", s["fs_server"] is not None),
         ("shoal_node_fuse_requests_total", counter,
          "FUSE requests the layer file system answered, by opcode (since the server started).",
-         [({"op": op}, v.get("count")) for op, v in sorted(((s["fs_server"] or {}).get("ops") or {}).items())]),
+         [({"op": op}, v.get("count")) for op, v in fuse_ops]),
         ("shoal_node_fuse_request_seconds_total", counter,
          ("Seconds the layer file system spent answering FUSE requests, by opcode (a READ's wait for its chunks "
           "is not in it: a worker thread answers those)."),
-         [({"op": op}, v.get("seconds")) for op, v in sorted(((s["fs_server"] or {}).get("ops") or {}).items())]),
+         [({"op": op}, v.get("seconds")) for op, v in fuse_ops]),
     ])

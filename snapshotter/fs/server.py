@@ -644,7 +644,7 @@ class LayerFS:
                 # nearly all answered "none" (ENODATA)
                 value = None if inode == p.ROOT_ID else self.layer_xattrs(inode).get(os.fsdecode(req.name))
                 if value is None:
-                    return [p.reply_error(u, errno.ENODATA)]
+                    raise FUSEError(errno.ENODATA)
                 return [p.reply_xattr(u, req.size, value)]
             case p.Access():
                 if req.mask & os.W_OK:
