@@ -7,6 +7,9 @@
 - A chunk another reader is already fetching is waited for: a chunk is fetched once
   however many readers want it (single flight, across layers too, since the key is the
   chunk digest).
+- A chunk fetched ahead of any read (read-ahead: the small files after the one read) is
+  kept as its source sent it and decompressed and verified only when a read asks for it:
+  most are never read (a torch start read 1,202 of the 4,572 chunks it fetched).
 Failures raise ShoalError naming the layer, file and chunk; the FUSE layer turns that
 into EIO for the reader.
 """
@@ -18,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -205,7 +208,7 @@ class SingleFlight:
             fut = self._inflight[digest] = Future()
             return fut, True
 
-    def resolve(self, digest: str, data: bytes | None = None, error: BaseException | None = None) -> None:
+    def resolve(self, digest: str, data: object = None, error: BaseException | None = None) -> None:
         with self._lock:
             fut = self._inflight.pop(digest, None)
         if fut is None:
@@ -221,7 +224,19 @@ class Unfetched(ShoalError):
     waiting for it fetches it itself (and fails only if that fails too)."""
 
 
+class Ahead:
+    """A chunk fetched ahead of any read, as its source sent it (compressed, unchecked):
+    what a read-ahead's single flight resolves to. Whoever reads it decodes it, which
+    verifies it (NodeChunkLoader._decode_ahead)."""
+
+    __slots__ = ("chunk", "held", "raw")
+
+    def __init__(self, chunk: Chunk, raw: bytes, held: bool) -> None:
+        self.chunk, self.raw, self.held = chunk, raw, held
+
+
 READAHEAD_BYTES = 256 << 10  # compressed bytes fetched ahead with one miss
+AHEAD_KEPT = 16 << 20  # compressed bytes of read-ahead chunks a layer keeps until read (least recent dropped)
 READAHEAD_CHUNK = 64 << 10  # only small chunks (small files) are worth it: big ones are a request each
 READAHEAD_GAP = 64 << 10
 # compressed bytes one prefetch request asks for at most: each is a chain read within the
@@ -236,7 +251,10 @@ class NodeChunkLoader:
     Read-ahead (see _read_ahead): a fetch also takes the small chunks that follow the
     requested ones in the blob, in the same range request. Files are in tar order, so
     these are the next files of the same directory: a program that imports a package
-    reads them next, and one request serves many small files.
+    reads them next, and one request serves many small files. They are kept compressed
+    (up to AHEAD_KEPT bytes a layer) and decoded by the read that asks for one; bytes
+    that do not verify then are dropped with a log line and the chunk fetched again,
+    through the chain (which checks every answer and asks the next source).
     """
 
     def __init__(self, blob: BlobRef, chain: FetchChain, cache: ChunkCache, flight: SingleFlight, layer: str,
@@ -251,7 +269,11 @@ class NodeChunkLoader:
         self.fetched_chunks = 0
         self.fetched_bytes = 0  # compressed bytes that came over the network
         self.readahead_chunks = 0
+        self.readahead_used = 0  # of those, read (decoded) since
         self.prefetched_chunks = 0  # fetched by prefetch() before any read asked for them
+        self._ahead: OrderedDict[str, Ahead] = OrderedDict()  # read-ahead chunks not read yet
+        self._ahead_bytes = 0
+        self._ahead_lock = threading.Lock()
         # chunks whose bytes a source keeps on the node (Held: the swarm's torrent storage),
         # so not stored a second time: warm all the same (stored())
         self._held: set[str] = set()
@@ -269,7 +291,8 @@ class NodeChunkLoader:
     def statistics(self) -> dict:
         """This layer's figures (`shoal status` shows them per layer)."""
         return {"fetched_chunks": self.fetched_chunks, "fetched_bytes": self.fetched_bytes,
-                "readahead_chunks": self.readahead_chunks, "prefetched_chunks": self.prefetched_chunks,
+                "readahead_chunks": self.readahead_chunks, "readahead_used": self.readahead_used,
+                "prefetched_chunks": self.prefetched_chunks,
                 "fetch_seconds": self.fetch_seconds, "decode_seconds": self.decode_seconds}
 
     def layout(self) -> list[Chunk]:
@@ -299,7 +322,7 @@ class NodeChunkLoader:
     def _present(self, digest: str) -> bool:
         if self.memory is not None and self.memory.contains(digest):
             return True
-        return self.cache.contains(digest)
+        return digest in self._ahead or self.cache.contains(digest)
 
     def _claim_extra(self, c: Chunk) -> bool:
         """Claim a chunk to fetch ahead: False if it is here or on its way already."""
@@ -400,7 +423,13 @@ class NodeChunkLoader:
         end = time.monotonic() + wait
         for i, fut in waiting:
             try:
-                results[i] = fut.result(timeout=max(0.0, end - time.monotonic()))
+                got = fut.result(timeout=max(0.0, end - time.monotonic()))
+                if isinstance(got, Ahead):  # a read-ahead brought it: this read decodes it
+                    got = self._decode_ahead(got)
+                    if got is None:
+                        late.append(i)
+                        continue
+                results[i] = got
             except TimeoutError:
                 late.append(i)
             except Unfetched:
@@ -412,8 +441,8 @@ class NodeChunkLoader:
             except Exception as e:  # noqa: BLE001 - a waiter reports the owner's failure
                 raise ShoalError(f"{what}: chunk {chunks[i].digest}: {e}") from None
         if late:
-            log.warning("%s: %d chunks another fetch claimed did not come within %gs; fetching them", what,
-                        len(late), wait)
+            log.warning("%s: %d chunks another fetch claimed did not come within %gs (or did not verify); "
+                        "fetching them", what, len(late), wait)
             self._fetch([(i, chunks[i]) for i in late], results, what)
         if again:
             for i, data in zip(again, self.load([chunks[i] for i in again], what, retry=False)):
@@ -428,11 +457,59 @@ class NodeChunkLoader:
             data = self.memory.get(c.digest)
             if data is not None:
                 return data
+        with self._ahead_lock:
+            ahead = self._ahead.pop(c.digest, None)
+            if ahead is not None:
+                self._ahead_bytes -= len(ahead.raw)
+        if ahead is not None:
+            data = self._decode_ahead(ahead)
+            if data is not None:
+                return data
         data = self.cache.get(c.digest)
         if data is None or len(data) != c.size:
             return None
         if self.memory is not None:
             self.memory.put(c.digest, data)
+        return data
+
+    def _keep(self, digest: str, data: bytes, held: bool) -> None:
+        """A verified chunk: into memory, and into the store unless its source keeps it."""
+        if self.memory is not None:
+            self.memory.put(digest, data)
+        if held:
+            self._held.add(digest)
+            return
+        try:
+            self.cache.put(digest, data)
+        except OSError as e:  # a full disk must not fail the read
+            log.warning("%s: cannot store chunk %s: %s", self.layer, digest, e)
+
+    def _keep_ahead(self, ahead: Ahead) -> None:
+        """A read-ahead chunk until a read asks for it (the least recent go past AHEAD_KEPT)."""
+        with self._ahead_lock:
+            old = self._ahead.pop(ahead.chunk.digest, None)
+            if old is not None:
+                self._ahead_bytes -= len(old.raw)
+            self._ahead[ahead.chunk.digest] = ahead
+            self._ahead_bytes += len(ahead.raw)
+            while self._ahead_bytes > AHEAD_KEPT and self._ahead:
+                _, dropped = self._ahead.popitem(last=False)
+                self._ahead_bytes -= len(dropped.raw)
+
+    def _decode_ahead(self, ahead: Ahead) -> bytes | None:
+        """A read-ahead chunk a read asks for, decoded and verified (and kept as any fetched
+        chunk is); None, with a log line, when its bytes do not verify."""
+        c = ahead.chunk
+        t = time.perf_counter()
+        try:
+            data = decode_chunk(c, ahead.raw, f"read-ahead in {self.layer}")
+        except ShoalError as e:
+            log.warning("%s: chunk %s read ahead does not verify, fetching it again: %s", self.layer, c.digest, e)
+            return None
+        finally:
+            self.decode_seconds += time.perf_counter() - t
+        self._keep(c.digest, data, ahead.held)
+        self.readahead_used += 1
         return data
 
     def _fetch(self, mine: list[tuple[int, Chunk]], results: dict[int, bytes], what: str,
@@ -442,13 +519,16 @@ class NodeChunkLoader:
 
         Each chunk is decoded and verified once, by the chain's check on the answer of
         the source that sent it: a source whose bytes fail is counted and the next one
-        asked for those chunks (cache/source.py). Returns how many chunks it served;
+        asked for those chunks (cache/source.py); a read-ahead chunk by the read that
+        asks for it (_decode_ahead). Returns how many chunks it served;
         raises when a chunk a read asked for (or every chunk) could not be fetched."""
         ranges = [(c.start, c.end) for _, c in mine]
         decoding = [0.0]
 
-        def check(k: int, raw: bytes) -> tuple[bytes, bool]:
+        def check(k: int, raw: bytes) -> tuple[bytes | Ahead, bool]:
             i, c = mine[k]
+            if i < 0 and extra == "read-ahead":  # decoded (and verified) by the read that wants it
+                return Ahead(c, raw, isinstance(raw, Held)), False
             t = time.perf_counter()
             try:
                 # (a read's `what` names the layer and file already)
@@ -479,21 +559,16 @@ class NodeChunkLoader:
                     first_error = first_error or err
                 continue
             data, held = outs[k]
-            if c.digest and self.memory is not None:
-                self.memory.put(c.digest, data)
-            if c.digest and held:
-                self._held.add(c.digest)
-            elif c.digest:
-                try:
-                    self.cache.put(c.digest, data)
-                except OSError as e:  # a full disk must not fail the read
-                    log.warning("%s: cannot store chunk %s: %s", self.layer, c.digest, e)
             self.fetched_chunks += 1
             self.fetched_bytes += c.end - c.start
-            if i >= 0:
-                results[i] = data
-            elif extra == "read-ahead":
+            if isinstance(data, Ahead):
+                self._keep_ahead(data)
                 self.readahead_chunks += 1
+            else:
+                if c.digest:
+                    self._keep(c.digest, data, held)
+                if i >= 0:
+                    results[i] = data
             self.flight.resolve(key, data=data)
         if first_error is None and failed is not None and not outs:
             first_error = err

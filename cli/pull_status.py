@@ -33,7 +33,8 @@ def format_status(s: dict) -> str:
         lines.append(
             f"    {ly['digest']}  {ly['image']}  {ly.get('proof', 'pending')}  reads {ly['reads']} ({ly['read_bytes']:,} B)"
             f"  fetched {ly['fetched_chunks']} chunks ({ly['fetched_bytes']:,} B;"
-            f" {ly.get('prefetched_chunks', 0)} by prefetch)  errors {ly['errors']}"
+            f" {ly.get('prefetched_chunks', 0)} by prefetch, {ly.get('readahead_chunks', 0)} read ahead of which"
+            f" {ly.get('readahead_used', 0)} read since)  errors {ly['errors']}"
             f"  waited {ly.get('fetch_seconds', 0):.2f}s on sources, {ly.get('decode_seconds', 0):.2f}s decoding"
         )
     pf = s.get("prefetch") or {}

@@ -206,6 +206,60 @@ def test_second_read_fetches_nothing_and_chunks_come_once(image, node):
     assert "origin" not in status["store"]["sources"]
 
 
+def test_read_ahead_chunks_are_decoded_only_when_read(image, node):
+    """A read fetches the small files after its own in the same request, but decompresses
+    and verifies only what is read: the next file is served from what came ahead, with
+    no request to the registry, and a file never read is never decoded. Bytes fetched
+    ahead that do not verify are fetched again when read, with a log line naming the
+    chunk: never served."""
+    from builder.inspect import read_toc
+    from cache.loader import READAHEAD_GAP
+
+    registry, ref, manifest, _ = image
+    layers, _ = node
+    layer = manifest["layers"][1]
+    with open_source(f"docker://{ref}", plain_http=True) as src:
+        _, toc = read_toc(src, layer, "layer")
+    small = sorted((e for e in toc.files() if len(e.chunks) == 1 and e.chunks[0].end - e.chunks[0].start < 8 << 10),
+                   key=lambda e: e.chunks[0].start)
+    a, b, c = next((x, y, z) for x, y, z in zip(small, small[1:], small[2:])
+                   if y.chunks[0].start - x.chunks[0].end <= READAHEAD_GAP
+                   and z.chunks[0].start - y.chunks[0].end <= READAHEAD_GAP
+                   and len({x.digest, y.digest, z.digest}) == 3
+                   and sum(e.digest in (x.digest, y.digest, z.digest) for e in small) == 3)
+    data_file = (registry.storage / "docker/registry/v2/blobs/sha256" / layer["digest"][7:9] / layer["digest"][7:]
+                 / "data")
+    original = data_file.read_bytes()
+    corrupted = bytearray(original)
+    corrupted[(c.chunks[0].start + c.chunks[0].end) // 2] ^= 0xFF
+
+    def figures() -> dict:
+        return next(ly for ly in layers.fs.status()["layers"] if ly["digest"] == layer["digest"])
+
+    path = Path(layers.prepare("t", "", layer_labels(ref, layer)).path)
+    try:
+        data_file.write_bytes(bytes(corrupted))  # c's bytes are bad when the read of a brings them
+        assert hashlib.sha256((path / a.name).read_bytes()).hexdigest() == a.digest[7:]
+        ahead = figures()
+        assert ahead["readahead_chunks"] >= 2 and ahead.get("readahead_used", 0) == 0, ahead
+        memory = layers.fs.status()["store"]["memory"]
+        assert memory["memory_chunks"] <= ahead["fetched_chunks"] - ahead["readahead_chunks"], (memory, ahead)
+        registry.settle()
+        gets = registry.count("GET", layer["digest"])[0]
+        assert hashlib.sha256((path / b.name).read_bytes()).hexdigest() == b.digest[7:]
+        registry.settle()
+        assert registry.count("GET", layer["digest"])[0] == gets
+        assert figures()["readahead_used"] == 1
+    finally:
+        data_file.write_bytes(original)
+    assert hashlib.sha256((path / c.name).read_bytes()).hexdigest() == c.digest[7:]
+    log = Path(layers.root, "logs", "fs.log").read_text()
+    assert any("read ahead does not verify" in line and c.digest in line for line in log.splitlines()), log[-2000:]
+    registry.settle()
+    assert registry.count("GET", layer["digest"])[0] > gets
+    assert figures()["readahead_used"] == 1 and figures()["errors"] == 0
+
+
 def test_toc_digest_mismatch_refuses_the_layer(image, node):
     _, ref, manifest, _ = image
     layers, _ = node
