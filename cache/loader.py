@@ -415,6 +415,7 @@ class NodeChunkLoader:
             self._fetch(mine + [(-1, c) for c in extras], results, what)
         again: list[int] = []
         late: list[int] = []
+        bad: list[int] = []  # read ahead, and its bytes did not verify
         # Another read's fetch ends within the chain's deadline; a chunk a prefetch
         # claimed may wait behind the prefetch's earlier spans. A reader waits a little
         # longer than the deadline, then fetches what it still lacks itself (within the
@@ -426,8 +427,8 @@ class NodeChunkLoader:
                 got = fut.result(timeout=max(0.0, end - time.monotonic()))
                 if isinstance(got, Ahead):  # a read-ahead brought it: this read decodes it
                     got = self._decode_ahead(got)
-                    if got is None:
-                        late.append(i)
+                    if got is None:  # (logged): fetched again below
+                        bad.append(i)
                         continue
                 results[i] = got
             except TimeoutError:
@@ -441,9 +442,10 @@ class NodeChunkLoader:
             except Exception as e:  # noqa: BLE001 - a waiter reports the owner's failure
                 raise ShoalError(f"{what}: chunk {chunks[i].digest}: {e}") from None
         if late:
-            log.warning("%s: %d chunks another fetch claimed did not come within %gs (or did not verify); "
-                        "fetching them", what, len(late), wait)
-            self._fetch([(i, chunks[i]) for i in late], results, what)
+            log.warning("%s: %d chunks another fetch claimed did not come within %gs; fetching them", what,
+                        len(late), wait)
+        if late or bad:
+            self._fetch([(i, chunks[i]) for i in late + bad], results, what)
         if again:
             for i, data in zip(again, self.load([chunks[i] for i in again], what, retry=False)):
                 results[i] = data

@@ -241,7 +241,7 @@ def test_read_ahead_chunks_are_decoded_only_when_read(image, node):
         data_file.write_bytes(bytes(corrupted))  # c's bytes are bad when the read of a brings them
         assert hashlib.sha256((path / a.name).read_bytes()).hexdigest() == a.digest[7:]
         ahead = figures()
-        assert ahead["readahead_chunks"] >= 2 and ahead.get("readahead_used", 0) == 0, ahead
+        assert ahead["readahead_chunks"] >= 2 and ahead["readahead_used"] == 0, ahead
         memory = layers.fs.status()["store"]["memory"]
         assert memory["memory_chunks"] <= ahead["fetched_chunks"] - ahead["readahead_chunks"], (memory, ahead)
         registry.settle()
