@@ -13,14 +13,23 @@ class ChunkMemory:
     chunks without one, a key private to their reader. The node gives every layer's
     LayerReader the same one (builder.format.reader.ChunkMemo is the seam it fills), and
     its NodeChunkLoader asks it first (contains/get) before fetching.
+
+    A chunk all of whose bytes went to a client that keeps them (served: the layer file
+    system's READ replies and page-ins, which the kernel keeps in its page cache) is
+    forgotten then: the kernel answers those pages from now on, and the memory a chunk
+    took goes to the next one decoded. (Holding every chunk a start read until the
+    capacity pushed it out made each new chunk fresh memory, which the kernel must fault
+    in and zero: a fifth of the read workers' CPU in a fleet start: docs/snapshotter.md.)
+    A chunk read ahead of its reads (a prefetch) stays until they come.
     """
 
     def __init__(self, capacity: int = 64 << 20):
         self._data: OrderedDict[object, bytes] = OrderedDict()
         self._size = 0
         self.capacity = capacity
+        self._served: dict[object, list[tuple[int, int]]] = {}  # key -> [start, end) spans served, merged
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.released = 0
 
     def get(self, key: object) -> bytes | None:
         with self._lock:
@@ -46,10 +55,33 @@ class ChunkMemory:
             self._data[key] = data
             self._size += len(data)
             while self._size > self.capacity:
-                _, old = self._data.popitem(last=False)
+                old_key, old = self._data.popitem(last=False)
                 self._size -= len(old)
+                self._served.pop(old_key, None)
+
+    def served(self, key: object, start: int, end: int) -> None:
+        """Bytes [start, end) of the chunk went to a client that keeps them (see the class
+        docstring): once all of its bytes did, the chunk is forgotten."""
+        with self._lock:
+            data = self._data.get(key)
+            if data is None or start >= end:
+                return
+            spans = [(start, end)]
+            for s, e in self._served.get(key, ()):
+                if e < start or s > end:
+                    spans.append((s, e))
+                else:
+                    spans[0] = (min(s, spans[0][0]), max(e, spans[0][1]))
+                    start, end = spans[0]
+            if spans[0][0] <= 0 and spans[0][1] >= len(data) and len(spans) == 1:
+                del self._data[key]
+                self._served.pop(key, None)
+                self._size -= len(data)
+                self.released += 1
+            else:
+                self._served[key] = sorted(spans)
 
     def statistics(self) -> dict:
         with self._lock:
             return {"memory_bytes": self._size, "memory_chunks": len(self._data), "memory_capacity": self.capacity,
-                    "memory_hits": self.hits, "memory_misses": self.misses}
+                    "memory_hits": self.hits, "memory_misses": self.misses, "memory_released": self.released}
