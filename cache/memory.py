@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from cache.origin import merge_ranges
+
 
 class ChunkMemory:
     """Decompressed, verified chunks in memory: a byte-bounded LRU, thread-safe.
@@ -66,20 +68,14 @@ class ChunkMemory:
             data = self._data.get(key)
             if data is None or start >= end:
                 return
-            spans = [(start, end)]
-            for s, e in self._served.get(key, ()):
-                if e < start or s > end:
-                    spans.append((s, e))
-                else:
-                    spans[0] = (min(s, spans[0][0]), max(e, spans[0][1]))
-                    start, end = spans[0]
-            if spans[0][0] <= 0 and spans[0][1] >= len(data) and len(spans) == 1:
+            spans = merge_ranges([*self._served.get(key, ()), (start, end)], gap=0)
+            if spans[0][0] <= 0 and spans[0][1] >= len(data):
                 del self._data[key]
                 self._served.pop(key, None)
                 self._size -= len(data)
                 self.released += 1
             else:
-                self._served[key] = sorted(spans)
+                self._served[key] = spans
 
     def statistics(self) -> dict:
         with self._lock:

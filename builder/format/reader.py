@@ -278,15 +278,15 @@ class LayerReader:
         if self.on_read is not None and note:
             self.on_read(chunks)
         if kept:
-            self._served(chunks, offset, size)
+            self._served(chunks, parts, offset)
         return parts
 
-    def _served(self, chunks: Sequence[Chunk], offset: int, size: int) -> None:
-        end = offset + size
-        for c in chunks:
+    def _served(self, chunks: Sequence[Chunk], parts: list[memoryview], offset: int) -> None:
+        """Tell `memory` which bytes of each chunk `parts` (its _chunk_views) hold."""
+        for c, part in zip(chunks, parts):
             if not c.zeros:
-                self.memory.served(self.memory_key(c), max(offset, c.file_offset) - c.file_offset,
-                                   min(end, c.file_offset + c.size) - c.file_offset)
+                start = max(offset - c.file_offset, 0)
+                self.memory.served(self.memory_key(c), start, start + len(part))
 
     def memory_key(self, c: Chunk) -> object:
         """The chunk's key in `memory`: its digest, or a key only this reader uses."""
@@ -308,7 +308,7 @@ class LayerReader:
             self.on_read(chunks)
         parts = _chunk_views(chunks, datas, offset, size)
         if kept:
-            self._served(chunks, offset, size)
+            self._served(chunks, parts, offset)
         return parts
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:
