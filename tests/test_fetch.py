@@ -35,6 +35,26 @@ def test_chunk_memory_is_bounded_by_bytes_and_keeps_the_recently_used():
     assert st["memory_bytes"] <= 3000 and st["memory_chunks"] == 3
 
 
+def test_chunk_memory_lets_go_of_a_chunk_served_whole_unless_it_has_no_digest():
+    """A chunk keyed by digest leaves the memory once every byte of it was served (in any
+    order, overlapping); a chunk without a digest (a reader's private key) is never
+    stored elsewhere on the node, so it stays however it was served."""
+    memory = ChunkMemory(capacity=10_000)
+    digest, data = chunk(1)
+    private = (12345, 0, 1000)
+    memory.put(digest, data)
+    memory.put(private, data)
+    memory.served(digest, 500, 1000)
+    memory.served(digest, 100, 600)
+    assert memory.contains(digest)  # [0, 100) not served yet
+    memory.served(digest, 0, 100)
+    assert not memory.contains(digest)
+    memory.served(private, 0, 1000)
+    assert memory.contains(private)
+    st = memory.statistics()
+    assert st["memory_released"] == 1 and st["memory_bytes"] == 1000
+
+
 def test_write_behind_serves_pending_chunks_and_writes_them_after_a_pause(tmp_path):
     store = ChunkStore(tmp_path / "chunks")
     writer = WriteBehind(store, quiet=30.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -258,6 +259,58 @@ def test_read_ahead_chunks_are_decoded_only_when_read(image, node):
     registry.settle()
     assert registry.count("GET", layer["digest"])[0] > gets
     assert figures()["readahead_used"] == 1 and figures()["errors"] == 0
+
+
+def test_chunks_the_kernel_keeps_leave_the_chunk_memory(image, node):
+    """A chunk whose every byte went to the kernel in READ replies (kept in its page
+    cache) is forgotten by the chunk memory, so the next chunk decoded reuses its memory
+    instead of faulting in fresh pages; the file still reads right once the kernel drops
+    its pages (the chunk comes back through the loader, verified). An O_DIRECT read is
+    not kept by the kernel: its chunks stay in memory. Fails before: every chunk read
+    stayed in memory until the capacity pushed it out."""
+    from builder.inspect import read_toc
+
+    _, ref, manifest, _ = image
+    layers, _ = node
+    layer = manifest["layers"][1]
+    with open_source(f"docker://{ref}", plain_http=True) as src:
+        _, toc = read_toc(src, layer, "layer")
+    digests = [c.digest for e in toc.files() for c in e.chunks]
+    big, other = [e for e in toc.files() if len(e.chunks) >= 3 and e.size >= 64 << 10
+                  and all(digests.count(c.digest) == 1 for c in e.chunks)][:2]
+
+    def memory() -> dict:
+        return layers.fs.status()["store"]["memory"]
+
+    path = Path(layers.prepare("t", "", layer_labels(ref, layer)).path)
+    before = memory()
+    data = (path / big.name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == big.digest[7:]
+    after = memory()
+    assert after["memory_bytes"] - before["memory_bytes"] < big.size // 2, (before, after)
+    assert after["memory_released"] - before["memory_released"] >= len(big.chunks), (before, after)
+
+    fd = os.open(path / big.name, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel lets its pages go
+        misses = memory()["memory_misses"]
+        assert hashlib.sha256(os.pread(fd, big.size, 0)).hexdigest() == big.digest[7:]
+        assert memory()["memory_misses"] > misses  # the READs came back to the memory, which had let go
+    finally:
+        os.close(fd)
+
+    held = memory()
+    fd = os.open(path / other.name, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, -(-other.size // 4096) * 4096)
+        got = os.preadv(fd, [buf], 0)
+        assert hashlib.sha256(buf[:got]).hexdigest() == other.digest[7:]
+    finally:
+        os.close(fd)
+    direct = memory()
+    assert direct["memory_released"] == held["memory_released"], (held, direct)
+    assert direct["memory_bytes"] - held["memory_bytes"] >= other.size, (held, direct)
+    assert next(ly for ly in layers.fs.status()["layers"] if ly["digest"] == layer["digest"])["errors"] == 0
 
 
 def test_toc_digest_mismatch_refuses_the_layer(image, node):

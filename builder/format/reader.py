@@ -56,6 +56,11 @@ class ChunkMemo(Protocol):
 
     def put(self, key: object, data: bytes) -> None: ...
 
+    def served(self, key: object, start: int, end: int) -> None:
+        """Bytes [start, end) of the kept chunk went to a client that keeps them itself
+        (the kernel's page cache): a memo may forget a chunk all of whose bytes did."""
+        ...
+
 
 class _RecentChunks:
     """A reader's own memo when it is given none: the chunks it decoded lately, all
@@ -80,6 +85,9 @@ class _RecentChunks:
             if len(data) <= self._capacity and key not in self._data:
                 self._data[key] = data
                 self._size += len(data)
+
+    def served(self, key: object, start: int, end: int) -> None:
+        pass  # (its clients read a file once: clearing at capacity is enough)
 
 
 @dataclass
@@ -254,10 +262,13 @@ class LayerReader:
     def read(self, path: str, offset: int, size: int) -> bytes:
         return _join_parts(self.read_parts(path, offset, size))
 
-    def read_parts(self, path: str, offset: int, size: int, note: bool = True) -> list[memoryview]:
+    def read_parts(self, path: str, offset: int, size: int, note: bool = True,
+                   kept: bool = False) -> list[memoryview]:
         """Like read(), as the pieces of the answer: views into the chunks' bytes, in
         order (for a writev, without copying them; not to be kept). `note` False: not
-        told to `on_read` (a read of the reader's own, not a client's)."""
+        told to `on_read` (a read of the reader's own, not a client's). `kept`: the
+        caller's client keeps these bytes (the kernel's page cache), told to `memory`
+        (ChunkMemo.served)."""
         if offset < 0 or size < 0:
             raise OSError(22, "Invalid argument", path)
         chunks = self.chunks_for(path, offset, size)
@@ -266,13 +277,22 @@ class LayerReader:
         parts = _chunk_views(chunks, self.load_chunks(chunks, path), offset, size)
         if self.on_read is not None and note:
             self.on_read(chunks)
+        if kept:
+            self._served(chunks, parts, offset)
         return parts
+
+    def _served(self, chunks: Sequence[Chunk], parts: list[memoryview], offset: int) -> None:
+        """Tell `memory` which bytes of each chunk `parts` (its _chunk_views) hold."""
+        for c, part in zip(chunks, parts):
+            if not c.zeros:
+                start = max(offset - c.file_offset, 0)
+                self.memory.served(self.memory_key(c), start, start + len(part))
 
     def memory_key(self, c: Chunk) -> object:
         """The chunk's key in `memory`: its digest, or a key only this reader uses."""
         return c.digest or (id(self), c.start, c.end)
 
-    def read_cached(self, path: str, offset: int, size: int) -> list[memoryview] | None:
+    def read_cached(self, path: str, offset: int, size: int, kept: bool = False) -> list[memoryview] | None:
         """Like read_parts(), but only from chunks already decompressed in memory; None if
         any chunk would have to be loaded (lets a FUSE reader answer without a thread)."""
         if offset < 0 or size < 0:
@@ -286,7 +306,10 @@ class LayerReader:
             datas.append(data)
         if self.on_read is not None and chunks:
             self.on_read(chunks)
-        return _chunk_views(chunks, datas, offset, size)
+        parts = _chunk_views(chunks, datas, offset, size)
+        if kept:
+            self._served(chunks, parts, offset)
+        return parts
 
     def load_chunks(self, chunks: Sequence[Chunk], path: str = "") -> list[bytes]:
         """Decompressed, verified bytes of each chunk (fetching the missing ones at once)."""

@@ -395,7 +395,7 @@ class LayerFS:
             end = st.st_size if end >= st.st_size else end - end % page
             while start < end:
                 n = min(end - start, PAGE_IN_PIECE)
-                parts = layer.view.reader.read_parts(name, start, n, note=False)
+                parts = layer.view.reader.read_parts(name, start, n, note=False, kept=True)
                 if not session.notify(p.notify_store(st.st_ino, start, parts)):
                     return done  # the kernel let go of the inode (or the connection ended)
                 done += n
@@ -614,7 +614,7 @@ class LayerFS:
         u, inode = req.header.unique, req.header.nodeid
         match req:
             case p.Read():  # (first: the hot path)
-                return self.read(u, req.fh, req.offset, req.size)
+                return self.read(u, req.fh, req.offset, req.size, not req.flags & os.O_DIRECT)
             case p.Lookup():
                 return [self.lookup(u, inode, req.name)]
             case p.Getattr():
@@ -798,20 +798,23 @@ class LayerFS:
             layer.view.reader.on_read([chunk])
         return fd
 
-    def read(self, u: int, fh: int, off: int, size: int) -> list | None:
+    def read(self, u: int, fh: int, off: int, size: int, cached: bool = True) -> list | None:
+        """A READ. `cached`: the kernel keeps the reply's pages (FOPEN_KEEP_CACHE; not an
+        O_DIRECT read), so the chunk memory may forget a chunk once all its bytes went out
+        (cache/memory.py)."""
         layer, node = self._resolve(fh)
         layer.reads += 1
         self._refuse_bad(layer, node, "read")
         # Chunks already decompressed in memory are served here; anything that must be
         # loaded (store, network) goes to a worker thread, which writes the reply.
         try:
-            parts = layer.view.reader.read_cached(node.path, off, size)
+            parts = layer.view.reader.read_cached(node.path, off, size, kept=cached)
         except Exception as e:  # noqa: BLE001 - answered as the slow path answers it
             return [self._read_failed(u, layer, node, off, size, e)]
         if parts is None:
             session = self.session
             token = session.defer(u, fh) if session is not None else -1  # (before the worker can answer)
-            self._read_pool.submit(self._read_slow, u, layer, node, off, size, token)
+            self._read_pool.submit(self._read_slow, u, layer, node, off, size, token, cached)
             return None
         return self._data_reply(u, layer, parts)
 
@@ -824,9 +827,10 @@ class LayerFS:
             parts = [memoryview(b"".join(parts))]
         return [p.reply_header(u, n), *parts]
 
-    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int, token: int) -> None:
+    def _read_slow(self, u: int, layer: Layer, node: Node, off: int, size: int, token: int,
+                   cached: bool = True) -> None:
         try:
-            out = self._data_reply(u, layer, layer.view.reader.read_parts(node.path, off, size))
+            out = self._data_reply(u, layer, layer.view.reader.read_parts(node.path, off, size, kept=cached))
         except Exception as e:  # noqa: BLE001 - every failure is the reader's EIO
             out = [self._read_failed(u, layer, node, off, size, e)]
         session = self.session
