@@ -127,6 +127,12 @@ class Bulk:
             log.debug("%s: extent %d (%d pieces) from the fallback (%s; rank %d of %d)",
                       t.blob.digest, extent, len(missing), got.why, got.rank, got.group)
         if got.why != "owner" and got.todo:
+            # (a stalled swarm: no piece for stall_timeout; an owner is gone, failing, or
+            # slow enough to look gone, so the region may serve these pieces twice)
+            log.info("%s: no piece for %.1fs: fetching %d extents this node does not own from the fallback "
+                     "(%d pieces; rank %d of %d)", t.blob.digest, now - t.last_progress, len(got.todo),
+                     sum(len(m) for _, m in got.todo), got.rank, got.group)
+            self.session.count(stall_help_extents=len(got.todo))
             t.last_progress = now  # one round of help per stall period
         return got.todo
 

@@ -295,7 +295,8 @@ class Session:
             "bytes_from_fallback", "pieces_from_fallback", "read_pieces_local", "read_pieces_peers",
             "read_pieces_fallback", "peer_timeouts", "patient_timeouts", "fallback_hash_mismatches", "hash_failures",
             "peers_banned", "tracker_replies", "tracker_errors", "torrents_added", "torrents_completed",
-            "torrents_evicted", "blobs_failed", "alerts_dropped", "pieces_resumed", "sparse_reads_passed"), 0)
+            "torrents_evicted", "blobs_failed", "alerts_dropped", "pieces_resumed", "sparse_reads_passed",
+            "stall_help_extents"), 0)
         self._uploaded_gone = 0  # payload bytes uploaded by torrents since removed (owner thread)
         self._downloaded_gone = 0
         self.listen_port = 0

@@ -120,6 +120,9 @@ def fetch_figures(data_path: dict, node: dict | None = None) -> dict:
         "peers_banned": swarm.get("peers_banned", 0),
         # background reads (a preheat's) sparse over the pieces nobody had: read as asked from the region
         "sparse_reads_passed": swarm.get("sparse_reads_passed", 0),
+        # bulk downloads that fetched extents other nodes own because no piece came for
+        # stall_timeout (an owner gone, or slow): the region may serve those twice
+        "stall_help_extents": swarm.get("stall_help_extents", 0),
         "verify_failures": {name: st.get("verify_failures", 0) for name, st in sources.items()
                             if "verify_failures" in st},
         "hangs": {name: st.get("hangs", 0) for name, st in sources.items() if "hangs" in st},
@@ -165,6 +168,9 @@ def node_metrics(s: dict) -> str:
         ("shoal_node_swarm_hash_failures_total", counter, "Pieces from peers that failed their hash.",
          swarm.get("hash_failures")),
         ("shoal_node_swarm_peers_banned_total", counter, "Peers banned for bad pieces.", swarm.get("peers_banned")),
+        ("shoal_node_swarm_stall_help_extents_total", counter,
+         "Extents of a bulk download fetched from the region for other nodes, the swarm having stalled.",
+         swarm.get("stall_help_extents")),
         ("shoal_node_layers", gauge, "Layers provided by the node, by kind.",
          [({"kind": "lazy"}, len(s["lazy_layers"])), ({"kind": "unpacked"}, len(s["unpacked_layers"]))]),
         ("shoal_node_chains", gauge, "Chain ids the node provided, by proof state (lazy layers: pending|proven|bad).",
