@@ -237,11 +237,16 @@ def test_a_node_killed_mid_transfer(world, nodes):
     print(f"\nkilled at {[g / size for g in got]} of the blob from peers; region then served "
           f"{region_served:,} B ({region_served / size:.3f} copies)")
     # what node 1 had not passed on yet came from the region: about once, not once per node
-    # (when it fails: whether a node took extents it does not own, its swarm stalled)
-    helped = {node.host.ip: node_status(str(node.root))["fetch"]["stall_help_extents"] for node in others}
-    stalls = [line for node in others for line in node.log(1 << 20).splitlines() if "does not own" in line]
     assert region_served <= 1.05 * size, \
-        f"region served {region_served / size:.2f} copies after the kill; stall help {helped}:\n" + "\n".join(stalls)
+        f"region served {region_served / size:.2f} copies after the kill; {_stall_help(others)}"
+
+
+def _stall_help(nodes: list[netlab.LabNode]) -> str:
+    """What the nodes say of the extents they fetched for others, their swarm stalled
+    (a failure's message: duplicates from the region come from there)."""
+    helped = {node.host.ip: node_status(str(node.root))["fetch"]["stall_help_extents"] for node in nodes}
+    lines = [line for node in nodes for line in node.log(1 << 20).splitlines() if "does not own" in line]
+    return f"stall help {helped}:\n" + "\n".join(lines)
 
 
 def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
