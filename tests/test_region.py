@@ -596,6 +596,32 @@ def test_region_source_in_a_fetch_chain(basic_registry, region_factory, tmp_path
     dead.close()
 
 
+def test_region_tls_refuses_a_ca_key_it_cannot_use_in_one_line_without_warnings(tmp_path):
+    """A CA key of a kind the region does not sign with (DSA, deprecated by cryptography)
+    is refused by name; a good CA loads without any warning on the way."""
+    import warnings
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa
+
+    from shoal.errors import ShoalError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the cryptography in .venv warns of what the module merely names
+        ensure_region_tls(str(tmp_path / "good"), "127.0.0.1")
+        ensure_region_tls(str(tmp_path / "good"), "127.0.0.1", ["region.example"])  # the CA loaded, a new server cert
+    bad = tmp_path / "bad"
+    ensure_region_tls(str(bad), "127.0.0.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        key = dsa.generate_private_key(2048)
+        (bad / "ca.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    with pytest.raises(ShoalError, match=r"ca\.key: a DSAPrivateKey cannot be the region's CA key") as err:
+        ensure_region_tls(str(bad), "127.0.0.1", ["region.example"])
+    assert "\n" not in str(err.value)
+
+
 def test_region_source_pins_the_region_ca_and_keeps_credentials_off_plain_http(
         basic_registry, region_factory, tmp_path, docker_config, caplog):
     """Over HTTPS the region's certificate must chain to the pinned CA; to a plain-HTTP

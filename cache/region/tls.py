@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import ssl
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -319,15 +320,18 @@ def _make_server(ca_pem: str, ca_key: str, cert_path: str, key_path: str, names:
 
 
 def _ca_key(path: str) -> CertificateIssuerPrivateKeyTypes:
-    """The CA's private key in `path` (PEM): one of the kinds that sign certificates."""
+    """The CA's private key in `path` (PEM): EC, RSA, Ed25519 or Ed448 (DSA, which
+    cryptography deprecates and TLS 1.3 does not sign with, is refused)."""
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 
-    with open(path, "rb") as fh:
+    with open(path, "rb") as fh, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (loading a DSA key warns: it is refused below, in one line)
         key = serialization.load_pem_private_key(fh.read(), None)
     if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey, ed25519.Ed25519PrivateKey,
-                            ed448.Ed448PrivateKey, dsa.DSAPrivateKey)):
-        raise ShoalError(f"{path}: a {type(key).__name__} cannot sign certificates")
+                            ed448.Ed448PrivateKey)):
+        raise ShoalError(f"{path}: a {type(key).__name__.lstrip('_')} cannot be the region's CA key "
+                         "(EC, RSA, Ed25519 or Ed448)")
     return key
 
 
