@@ -100,6 +100,8 @@ class Bulk:
             return []
         peers = t.handle.get_peer_info()
         now = time.monotonic()
+        availability = t.handle.piece_availability()
+        t.last_progress, t.peer_pieces = extents.progress(t.last_progress, t.peer_pieces, availability, now)
         if not peers and now - t.added < self.config.settle_wait:
             return []  # alone so far: nodes that start with us may connect in a moment
         if t.tracker_reply and now - t.tracker_reply < self.config.settle_wait \
@@ -119,7 +121,7 @@ class Bulk:
         got = extents.assign(
             info_hash=t.meta.info_hash, num_pieces=t.meta.num_pieces,
             per=max(1, self.config.fallback_extent // t.meta.piece_length), have=t.have, inflight=t.inflight,
-            availability=t.handle.piece_availability(), running=running, me=me, candidates=candidates,
+            availability=availability, running=running, me=me, candidates=candidates,
             rank=t.rank, rank_changed=t.rank_changed, ranks_expected=rank_url(t.tracker) is not None, now=now,
             added=t.added, last_progress=t.last_progress, stall_timeout=self.config.stall_timeout, limit=limit)
         for extent, missing in got.todo:

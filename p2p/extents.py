@@ -19,7 +19,10 @@ Owners:
   its way), nobody fetches.
 - A stalled swarm (no piece for stall_timeout: an owner gone or failing): a few nodes
   at random (about HELPERS per stall period, however big the swarm) take extents nobody
-  has, whoever owns them.
+  has, whoever owns them. "No piece" means none for this node and none more for its
+  peers (progress()): a node that gets nothing for a while (a busy machine, links full)
+  while its peers' owners bring their extents in is not stalled, and helping then
+  would fetch from the region extents their owners are fetching.
 
 assign() takes everything it needs as arguments (randomness too) and raises nothing.
 """
@@ -70,6 +73,15 @@ class Assignment:
 
 
 NOTHING = Assignment([], "owner", -1, 0)
+
+
+def progress(last_progress: float, seen: int, availability: Sequence[int], now: float) -> tuple[float, int]:
+    """(last_progress, seen) after a look at the connected peers' pieces: `seen` is
+    their sum at the last look; when it has grown, the swarm moved (now). A peer that
+    leaves takes its pieces out of the sum: that is no progress, and the sum goes on
+    from there."""
+    total = sum(availability)
+    return (max(last_progress, now) if total > seen else last_progress), total
 
 
 def assign(*, info_hash: bytes, num_pieces: int, per: int, have: Sequence[int], inflight: Collection[int],

@@ -235,7 +235,8 @@ class Torrent:
     tracker_reply: float = 0.0
     tracker_peers: int = -1
     settled: threading.Event = field(default_factory=threading.Event)
-    last_progress: float = 0.0
+    last_progress: float = 0.0  # when this node last got a piece, or its peers more of them (bulk)
+    peer_pieces: int = 0  # the connected peers' pieces, summed, at the bulk helper's last look
     last_used: float = 0.0
     self_ip: str = ""
     helper: threading.Thread | None = None  # the bulk helper (p2p/bulk.py)

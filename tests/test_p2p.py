@@ -224,6 +224,35 @@ def test_jump_hash_is_balanced_and_moves_little():
     assert moved < 4096 / 17 * 1.5  # about 1/17 of the extents move to the newcomer
 
 
+def test_a_swarm_whose_peers_gain_pieces_is_not_stalled():
+    """Stall help (p2p/extents.py) waits while the peers' pieces grow, though this node
+    gets none; a peer leaving is no progress; with nothing moving the swarm stalls."""
+    from p2p.extents import assign, extent_key, jump_hash, progress
+
+    info_hash = b"\1" * 20
+    mine = [jump_hash(extent_key(info_hash, e), 2) == 0 for e in range(8)]
+    assert 0 < sum(mine) < 8
+    have = [int(mine[p // 4]) for p in range(32)]  # this node (rank 0 of 2) has its own extents
+
+    def stalled(last_progress: float, now: float) -> str:
+        got = assign(info_hash=info_hash, num_pieces=32, per=4, have=have, inflight=(), availability=[0] * 32,
+                     running=(), me="a", candidates={"a", "b"}, rank=(0, 2, now), rank_changed=0.0,
+                     ranks_expected=True, now=now, added=0.0, last_progress=last_progress, stall_timeout=3.0,
+                     limit=4, rng=random.Random(1))
+        return got.why if got.todo else "waits"
+
+    last, seen = progress(0.0, 0, [1, 1, 0, 0], 1.0)  # peers' bitfields: the swarm moved at 1.0
+    assert (last, seen) == (1.0, 2)
+    last, seen = progress(last, seen, [1, 1, 1, 0], 5.0)  # a peer's owner brought a piece in
+    assert (last, seen) == (5.0, 3)
+    assert stalled(last, 7.0) == "waits"  # 6 s since this node's last piece, 2 s since its peers'
+    last, seen = progress(last, seen, [0, 0, 0, 0], 8.0)  # the peer left with its pieces
+    assert (last, seen) == (5.0, 0)
+    last, seen = progress(last, seen, [0, 0, 0, 0], 9.0)
+    assert (last, seen) == (5.0, 0)
+    assert stalled(last, 9.0) == "stalled"  # nothing moved for 4 s: help
+
+
 class ServiceThread:
     """The swarm service (tracker + metadata) in an aiohttp server on a thread."""
 
