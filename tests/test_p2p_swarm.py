@@ -258,7 +258,10 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
-    a, b = nodes(2)
+    # node 2's first read waits for its SSL handshake with the seed (past the default
+    # 0.5 s, on a busy machine, every read went to the region: one loaded run in 21);
+    # not longer: the test's later reads wait too (9 s in all with 2 s, 15 s with 5 s)
+    a, b = nodes(2, swarm={"settle_wait": 2.0})
     mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
