@@ -37,7 +37,10 @@ with both knobs given, every pair of their values.
 that each repeat's (b), (c) and (d) have a baseline from minutes before them; runs carry
 "repeat" (0..K-1). The report gives each run's ratios to its own repeat's (a) and then, per
 target, the median over the repeats with their range: on this machine one run's p99 moves
-by up to 20% with nothing changed, which a single run cannot tell from a change.
+by up to 20% with nothing changed, which a single run cannot tell from a change (and in
+the first hour after a boot and the torch image's build, 2026-12-07, every role took about
+twice the CPU: (b)'s ratio at N=2 was 0.38x there against 0.24-0.32x in the four repeats
+after it; run a sitting's first comparison after the machine has settled).
 
 Every node starts at the same moment (one barrier); time to first useful work is from
 there to the command's output on that node. Per run:
