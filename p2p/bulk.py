@@ -91,6 +91,11 @@ class Bulk:
     def _set_rank(self, t: Torrent, rank: tuple[int, int, float]) -> None:
         if not t.rank or t.rank[:2] != rank[:2]:
             t.rank_changed = rank[2]
+            # (a change moves extents between owners: one the last owner is fetching may
+            # then come from the region twice)
+            log.info("%s: rank %d of %d among the blob's downloaders (was %s; %d of %d pieces here)",
+                     t.blob.digest, rank[0], rank[1], f"{t.rank[0]} of {t.rank[1]}" if t.rank else "none",
+                     t.have_count, t.meta.num_pieces)
         t.rank = rank
 
     def _assign(self, t: Torrent, limit: int, running: set[int]) -> list[tuple[int, list[int]]]:

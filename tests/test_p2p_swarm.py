@@ -242,11 +242,16 @@ def test_a_node_killed_mid_transfer(world, nodes):
 
 
 def _stall_help(nodes: list[netlab.LabNode]) -> str:
-    """What the nodes say of the extents they fetched for others, their swarm stalled
-    (a failure's message: duplicates from the region come from there)."""
-    helped = {node.host.ip: node_status(str(node.root))["fetch"]["stall_help_extents"] for node in nodes}
-    lines = [line for node in nodes for line in node.log(1 << 20).splitlines() if "does not own" in line]
-    return f"stall help {helped}:\n" + "\n".join(lines)
+    """What the nodes say of what they took from the region, the extents they fetched
+    for others (their swarm stalled) and their ranks among the downloaders (a change
+    moves extents between owners): a failure's message, to tell where duplicates from
+    the region came from."""
+    fetch = {node.host.ip: node_status(str(node.root))["fetch"] for node in nodes}
+    helped = {ip: f["stall_help_extents"] for ip, f in fetch.items()}
+    region = {ip: f["bytes_from_region"] for ip, f in fetch.items()}
+    lines = [f"{node.host.ip}: {line}" for node in nodes for line in node.log(1 << 20).splitlines()
+             if "does not own" in line or "downloaders" in line or "fallback fetch" in line]
+    return f"stall help {helped}, bytes from the region {region}:\n" + "\n".join(lines)
 
 
 def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
@@ -258,10 +263,7 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
-    # node 2's first read waits for its SSL handshake with the seed (past the default
-    # 0.5 s, on a busy machine, every read went to the region: one loaded run in 21);
-    # not longer: the test's later reads wait too (9 s in all with 2 s, 15 s with 5 s)
-    a, b = nodes(2, swarm={"settle_wait": 2.0})
+    a, b = nodes(2)
     mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
@@ -270,7 +272,10 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
             fh.write(os.urandom(4096))
     assert _read(mount_b, files) == files
     f = b.status()["fetch"]
-    assert f["hash_failures"] >= 1, f
+    # (failed twice in 32 loaded runs, 2026-12-07: node 2 took all 16 MiB from the region,
+    # with settle_wait 0.5 s and with 2 s alike; the message carries its swarm's log)
+    assert f["hash_failures"] >= 1, f"{f}\n" + "\n".join(
+        line for line in b.log(1 << 20).splitlines()[-400:] if digest in line or "swarm" in line or "peer" in line)
     assert f["peers_banned"] >= 1, f
     assert f["bytes_from_region"] > 0, f
     assert not any(f["verify_failures"].values()), f  # libtorrent dropped the bad pieces: no source sent any
