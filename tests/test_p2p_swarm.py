@@ -272,7 +272,7 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
             fh.write(os.urandom(4096))
     assert _read(mount_b, files) == files
     f = b.status()["fetch"]
-    # (failed twice in 32 loaded runs, 2026-12-07: node 2 took all 16 MiB from the region,
+    # (failed twice in 33 loaded runs, 2026-12-07: node 2 took all 16 MiB from the region,
     # with settle_wait 0.5 s and with 2 s alike; the message carries its swarm's log)
     assert f["hash_failures"] >= 1, f"{f}\n" + "\n".join(
         line for line in b.log(1 << 20).splitlines()[-400:] if digest in line or "swarm" in line or "peer" in line)
