@@ -81,7 +81,7 @@ def progress(last_progress: float, seen: int, availability: Sequence[int], now: 
     leaves takes its pieces out of the sum: that is no progress, and the sum goes on
     from there."""
     total = sum(availability)
-    return (max(last_progress, now) if total > seen else last_progress), total
+    return (now if total > seen else last_progress), total
 
 
 def assign(*, info_hash: bytes, num_pieces: int, per: int, have: Sequence[int], inflight: Collection[int],

@@ -238,10 +238,10 @@ def test_a_node_killed_mid_transfer(world, nodes):
           f"{region_served:,} B ({region_served / size:.3f} copies)")
     # what node 1 had not passed on yet came from the region: about once, not once per node
     assert region_served <= 1.05 * size, \
-        f"region served {region_served / size:.2f} copies after the kill; {_stall_help(others)}"
+        f"region served {region_served / size:.2f} copies after the kill; {_region_duplicates(others)}"
 
 
-def _stall_help(nodes: list[netlab.LabNode]) -> str:
+def _region_duplicates(nodes: list[netlab.LabNode]) -> str:
     """What the nodes say of what they took from the region, the extents they fetched
     for others (their swarm stalled) and their ranks among the downloaders (a change
     moves extents between owners): a failure's message, to tell where duplicates from

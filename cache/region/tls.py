@@ -324,9 +324,11 @@ def _ca_key(path: str) -> CertificateIssuerPrivateKeyTypes:
     cryptography deprecates and TLS 1.3 does not sign with, is refused)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+    from cryptography.utils import CryptographyDeprecationWarning
 
     with open(path, "rb") as fh, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (loading a DSA key warns: it is refused below, in one line)
+        # (loading a DSA key warns of DSA's deprecation: it is refused below, in one line)
+        warnings.simplefilter("ignore", CryptographyDeprecationWarning)
         key = serialization.load_pem_private_key(fh.read(), None)
     if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey, ed25519.Ed25519PrivateKey,
                             ed448.Ed448PrivateKey)):
