@@ -211,6 +211,22 @@ def test_tracker_ranks_only_announced_peers_and_stays_bounded():
     assert table.rank(ih, "10.0.0.1", 6881, now=2) == (0, 1)
 
 
+def test_a_seed_is_never_ranked_among_the_downloaders():
+    """A node's last rank request may reach the tracker after its completion announce:
+    the seed then took a rank again and kept its extents from the others until the rank
+    expired (10 s; the kill test's 1.26 copies, every node helping the stalled swarm)."""
+    table = PeerTable()
+    ih = b"\4" * 20
+    for ip in ("10.0.0.1", "10.0.0.2"):
+        table.announce(ih, ip, 6881, 100, "started", 50, now=0)
+        table.rank(ih, ip, 6881, now=0)
+    table.announce(ih, "10.0.0.1", 6881, 0, "completed", 50, now=1)
+    assert table.rank(ih, "10.0.0.2", 6881, now=1) == (0, 1)
+    with pytest.raises(ValueError, match="a seed has no rank"):
+        table.rank(ih, "10.0.0.1", 6881, now=1)  # the late request of the node that completed
+    assert table.rank(ih, "10.0.0.2", 6881, now=2) == (0, 1)
+
+
 def test_jump_hash_is_balanced_and_moves_little():
     from p2p.extents import extent_key, jump_hash
 

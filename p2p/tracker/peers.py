@@ -95,6 +95,9 @@ class PeerTable:
             self.refused += 1
             raise ValueError(f"{ip}:{port if port is not None else '?'} has not announced this torrent")
         key = (ip, port)
+        if swarm[key].left == 0:  # a rank request that crossed its own completion announce
+            self.refused += 1
+            raise ValueError(f"{ip}:{port} announced the whole blob: a seed has no rank among the downloaders")
         bulk = self._bulk.setdefault(info_hash, {})
         ranks = self._ranks.setdefault(info_hash, [])
         limit = now - self.rank_ttl
