@@ -805,9 +805,19 @@ def _ctr_retry(ctd, *args: str, attempts: int = 60) -> subprocess.CompletedProce
     return proc
 
 
-def _run(ctd, image: str, cid: str, *command: str) -> str:
-    return ctd.ctr("run", "--rm", "--snapshotter", "shoal", "--runc-root", str(ctd.runc_root),
-                   "--fifo-dir", str(ctd.fifo_dir), image, cid, *command).stdout
+def _run(ctd, image: str, cid: str, script: str) -> str:
+    """What `sh -c SCRIPT` printed in a container of IMAGE on shoal. The script writes into a
+    file bind-mounted from the host, read once `ctr run` has returned: ctr's own stdout can
+    lose what a container prints just before it exits (the shim's copy of the last writes
+    races the exit; seen once here, 2026-12-07: the first line of four and exit status 0;
+    concourse/concourse#6775, containerd/containerd#770)."""
+    out = Path(tempfile.mkdtemp(prefix="out-", dir=ctd.fifo_dir.parent))
+    try:
+        ctd.ctr("run", "--rm", "--snapshotter", "shoal", "--mount", f"type=bind,src={out},dst=/shoal-out,options=rbind:rw",
+                image, cid, "/bin/sh", "-c", f"{{ {script}\n}} > /shoal-out/stdout")
+        return (out / "stdout").read_text()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.mark.containerd
@@ -826,7 +836,7 @@ def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, reg
     script = ("cat /etc/motd; ls /data/d0; test -e /data/-leading-dash && echo present || echo whited-out;"
               " echo written > /tmp/x && cat /tmp/x")
     expected = "changed by the top layer\nnew\nwhited-out\nwritten\n"
-    assert _run(ctd, ref, "shoal-c1", "/bin/sh", "-c", script) == expected
+    assert _run(ctd, ref, "shoal-c1", script) == expected
 
     def committed() -> list[str]:
         out = _ctr_retry(ctd, "snapshots", "--snapshotter", "shoal", "ls").stdout.splitlines()[1:]
@@ -842,7 +852,7 @@ def test_ctr_runs_containers_on_shoal_across_node_restarts(shoal_containerd, reg
     assert node.stop() == 0  # stop by PID, start again on the same root and socket
     node = node_factory()
     assert committed() == layers
-    assert _run(ctd, ref, "shoal-c2", "/bin/sh", "-c", script) == expected
+    assert _run(ctd, ref, "shoal-c2", script) == expected
 
     # An error from shoal as ctr reports it: a snapshot containerd knows of but whose
     # backend record is gone (removed behind containerd's back) -> NotFound from shoal.
@@ -934,7 +944,7 @@ def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, 
 
         script = "cat /etc/motd; ls /data/d0; cat '/data/with space.txt'; stat -c %u:%g '/data/with space.txt'"
         expected = "changed by the top layer\nnew\ncontent of 'with space.txt'\n1234:5678\n"
-        assert _run(ctd, ref, "remote-1", "/bin/sh", "-c", script) == expected
+        assert _run(ctd, ref, "remote-1", script) == expected
         assert (layer_dir / "etc" / "motd").read_text() == "hello from a shoal test image\n"  # lower stays untouched
 
         node.stop()
@@ -943,6 +953,6 @@ def test_containerd_takes_remote_layers_through_the_seam(containerd_with_shoal, 
         node.start()
         assert remote.restored == [str(layer_dir)]
         assert _ctr_retry(ctd, "snapshots", "--snapshotter", "shoal", "info", chain[0]).returncode == 0
-        assert _run(ctd, ref, "remote-2", "/bin/sh", "-c", script) == expected
+        assert _run(ctd, ref, "remote-2", script) == expected
     finally:
         node.stop()
