@@ -69,7 +69,9 @@ there to the command's output on that node. Per run:
   containerd (with its shims), work (the containers), clients (`shoal pull`, `ctr`), other
   (the rest of the machine: the kernel's network, anything else running). For (d),
   local_cpu_s is the same for the local start: N such starts on this machine's cores need
-  at least N x its CPU seconds / cores, whatever the network.
+  at least N x its CPU seconds / cores, whatever the network. The report sets that floor
+  against (a)'s p99 of the same N and repeat: what a 0.2x target for (c) then leaves, in CPU
+  seconds, for everything the nodes do to fetch and serve the start's bytes.
 - machine_speed: before and after the runs, one core's seconds for a fixed Python loop,
   sha256's MB/s, page faults and copies (bench/common.py machine_speed): machines of one
   kind here differ by several times and drift within a run, so only ratios within one run
@@ -689,6 +691,13 @@ def report(f: dict) -> str:
                          + ", ".join(f"{k} {v:.1f}" for k, v in local.items())
                          + f"); N of them on {f['cores']} cores need at least {floor:.1f} s: "
                          f"{floor / r['local_start_s']:.2f}x of the local start (d's p99: {r['p99_vs_local']}x)")
+            a = _baseline(by, r)
+            if a and a["p99_s"]:
+                # what a start that fetches anything has left under the (c) target on this machine
+                left = (TARGET_C * a["p99_s"] - floor) * f["cores"]
+                lines.append(f"N={r['nodes']}{rep}: that floor is {floor / a['p99_s']:.3f}x of (a)'s p99 "
+                             f"({a['p99_s']} s): (c) at {TARGET_C}x leaves {left:.1f} CPU s for every node's "
+                             f"fetching, decompressing and serving of the start's bytes together")
     if f["model"]:
         lines += ["", "MODEL (not measured): fitted on the runs above",
                   common.table(["image", "scen", "N", "p99 s", "origin/image", "fit", "fitted on N"],
