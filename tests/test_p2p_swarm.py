@@ -241,6 +241,18 @@ def test_a_node_killed_mid_transfer(world, nodes):
         f"region served {region_served / size:.2f} copies after the kill; {_region_duplicates(others)}"
 
 
+def _wait_for_a_seed(node: netlab.LabNode, digest: str, timeout: float = 30) -> None:
+    """Until `node`'s swarm is connected to a peer that has every piece of `digest`."""
+    deadline = time.monotonic() + timeout
+    torrents: list = []
+    while time.monotonic() < deadline:
+        torrents = node.status()["data_path"]["sources"]["swarm"].get("torrents") or []
+        if any(t["digest"] == digest and t["seeds"] >= 1 for t in torrents):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{node.host.ip} never saw a seed of {digest} in {timeout:.0f} s: {torrents}")
+
+
 def _region_duplicates(nodes: list[netlab.LabNode]) -> str:
     """What the nodes say of what they took from the region, the extents they fetched
     for others (their swarm stalled) and their ranks among the downloaders (a change
@@ -263,13 +275,18 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     image, files = world.image({"a.bin": 16 * MiB})
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
-    a, b = nodes(2)
+    # node 2 must ask node 1 for pieces for there to be a bad one to catch: on a loaded
+    # machine (two failures in 33 runs, 2026-12-07: nothing from peers, no hash failure)
+    # node 1's answer can take longer than the default peer_wait (1 s), and its pieces
+    # then come from the region first; or node 2 reads before node 1's HAVEs are in
+    a, b = nodes(2, swarm={"peer_wait": 4.0})
     mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
     with open(path, "r+b") as fh:  # every fourth piece gets 4 KiB of garbage
         for p in range(1, size // PIECE, 4):
             fh.seek(p * PIECE + 1000)
             fh.write(os.urandom(4096))
+    _wait_for_a_seed(b, digest)
     assert _read(mount_b, files) == files
     status = b.status()
     f = status["fetch"]
