@@ -21,10 +21,12 @@ those); passed on, each node that needs them takes them from the region (coalesc
 one origin copy). A full warm-up's target is the whole layer: nothing is passed on.
 A piece asked of peers that has not come within `peer_wait` seconds is fetched from the
 fallback too (libtorrent re-plans deadlines only about once a second, and a peer may be
-slow or gone). A complete torrent's reads are pread()s of its file, with no call on the
-libtorrent session. The first read of a new torrent waits (at most `settle_wait`) for it
-to meet its peers rather than go to the region for pieces a neighbour has. Measured
-numbers behind this are in docs/p2p.md.
+slow or gone); so is one that no connected peer has any more, at once (the peer that had
+it disconnected or was banned: the owner settles such waits with PeersGone). A complete
+torrent's reads are pread()s of its file, with no call on the libtorrent session. The
+first read of a new torrent waits (at most `settle_wait`) for it to meet its peers rather
+than go to the region for pieces a neighbour has. Measured numbers behind this are in
+docs/p2p.md.
 
 Threads: read() runs on the caller's thread and blocks; it reaches torrent state only
 through the owner (Session.use, one queued plan per read) and waits on the futures the
@@ -48,7 +50,7 @@ from cache.source import PATIENT, TARGET, BlobRef, Held, NotHere, Source
 from p2p.config import SwarmConfig
 from p2p.fallback import Fallback
 from p2p.metainfo import slice_pieces
-from p2p.session import Session, Torrent
+from p2p.session import PeersGone, Session, Torrent
 from shoal.errors import ShoalError, TransportError
 
 _RECENT = 512  # latency samples kept for statistics()
@@ -97,20 +99,23 @@ class OnDemand:
         got: dict[int, bytes] = {}
         if fetch:
             got.update(self.fallback.fetch(t, fetch, keep_inflight=True))
-        late = []
+        late, gone = [], []
         for p, fut in list(local.items()) + list(asked.items()):
             try:
                 got[p] = fut.result(timeout=max(0.0, start + self.config.peer_wait - time.monotonic())
                                     if p in asked else 30)
+            except PeersGone:  # the peers that had it left: no use waiting out peer_wait
+                gone.append(p)
             except (FutureTimeout, ShoalError):
                 late.append(p)
         if asked:
             self._sample(time.monotonic() - start)
         if late:
             self.session.count(peer_timeouts=len(late))
-            got.update(self.fallback.fetch(t, late))
-        self.session.count(read_pieces_local=len(local), read_pieces_peers=len(asked) - len(late),
-                           read_pieces_fallback=len(fetch) + len(late))
+        if late or gone:
+            got.update(self.fallback.fetch(t, late + gone))
+        self.session.count(read_pieces_local=len(local), read_pieces_peers=len(asked) - len(late) - len(gone),
+                           read_pieces_fallback=len(fetch) + len(late) + len(gone))
         self.session.touch(t)
         return [Held(d) for d in slice_pieces(t.meta, got, ranges)]
 

@@ -205,6 +205,11 @@ def route_address(url: str) -> str:
 
 
 
+class PeersGone(TransportError):
+    """Pieces a read asked of peers that no connected peer has any more (one left or was
+    banned): the read takes them from the fallback at once."""
+
+
 @dataclass
 class Torrent:
     """One blob's torrent. blob, meta, path, tracker, self_ip, added and settled are set
@@ -297,7 +302,7 @@ class Session:
             "read_pieces_fallback", "peer_timeouts", "patient_timeouts", "fallback_hash_mismatches", "hash_failures",
             "peers_banned", "tracker_replies", "tracker_errors", "torrents_added", "torrents_completed",
             "torrents_evicted", "blobs_failed", "alerts_dropped", "pieces_resumed", "sparse_reads_passed",
-            "stall_help_extents"), 0)
+            "stall_help_extents", "peer_gone_pieces"), 0)
         self._uploaded_gone = 0  # payload bytes uploaded by torrents since removed (owner thread)
         self._downloaded_gone = 0
         self.listen_port = 0
@@ -574,6 +579,9 @@ class Session:
         elif isinstance(a, lt.peer_ban_alert):
             self.count(peers_banned=1)
             log.warning("swarm: banned peer %s (sent bad data)", a.endpoint)
+            t = self._torrent_of(a)
+            if t is not None:
+                self._release_orphans(t)
         elif isinstance(a, lt.tracker_reply_alert):
             self.count(tracker_replies=1)
             t = self._torrent_of(a)
@@ -666,6 +674,27 @@ class Session:
         self._fail_waiters(t, NotHere(f"{t.blob.digest}: torrent removed ({why})"))
         log.info("%s: torrent removed: %s", t.blob.digest, why)
 
+    def _release_orphans(self, t: Torrent) -> None:
+        """Reads waiting on pieces asked of peers that no connected peer has any more (a
+        peer was banned, or left: looked at every tick) get PeersGone now (the on-demand
+        read then takes them from the fallback) instead of waiting out `peer_wait` for a
+        peer that is gone. Pieces here, in flight from the fallback or still at another
+        peer are left alone."""
+        if not t.waiters:
+            return
+        availability = t.handle.piece_availability()
+        gone = [p for p in t.waiters if not t.have[p] and p not in t.inflight and p not in t.read_when_done
+                and availability[p] <= 0]
+        if not gone:
+            return
+        err = PeersGone(f"{t.blob.digest}: no connected peer has piece(s) {', '.join(map(str, gone[:8]))}"
+                        f"{' ...' if len(gone) > 8 else ''} any more")
+        for p in gone:
+            for fut in t.waiters.pop(p):
+                _settle(fut, error=err)
+        self.count(peer_gone_pieces=len(gone))
+        log.info("%s: a peer left: %d pieces asked of peers go to the fallback now", t.blob.digest, len(gone))
+
     def _fail_waiters(self, t: Torrent, err: BaseException) -> None:
         for waiters in t.waiters.values():
             for fut in waiters:
@@ -737,6 +766,8 @@ class Session:
                 self.pool.submit(self._renew_cert, t)
             if not t.settled.is_set():
                 self._check_settled(t, now)
+            if t.waiters and not t.complete:  # (a peer that left: libtorrent's disconnect alerts are not asked for)
+                self._release_orphans(t)
             if t.tracker_reply and not t.complete and now - t.added < _LONELY_FOR and \
                     now - t.reannounced >= _LONELY_REANNOUNCE and not t.handle.get_peer_info():
                 # alone in a young swarm: nodes that start together may all have been told
