@@ -679,12 +679,12 @@ class Session:
         peer was banned, or left: looked at every tick) get PeersGone now (the on-demand
         read then takes them from the fallback) instead of waiting out `peer_wait` for a
         peer that is gone. Pieces here, in flight from the fallback or still at another
-        peer are left alone."""
+        peer are left alone (a read that waits on a fallback fetch whose piece then failed
+        its hash is released too)."""
         if not t.waiters:
             return
         availability = t.handle.piece_availability()
-        gone = [p for p in t.waiters if not t.have[p] and p not in t.inflight and p not in t.read_when_done
-                and availability[p] <= 0]
+        gone = [p for p in t.waiters if not t.have[p] and p not in t.inflight and availability[p] <= 0]
         if not gone:
             return
         err = PeersGone(f"{t.blob.digest}: no connected peer has piece(s) {', '.join(map(str, gone[:8]))}"
@@ -766,7 +766,7 @@ class Session:
                 self.pool.submit(self._renew_cert, t)
             if not t.settled.is_set():
                 self._check_settled(t, now)
-            if t.waiters and not t.complete:  # (a peer that left: libtorrent's disconnect alerts are not asked for)
+            if not t.complete:  # (a peer that left: libtorrent's disconnect alerts are not in the mask asked for)
                 self._release_orphans(t)
             if t.tracker_reply and not t.complete and now - t.added < _LONELY_FOR and \
                     now - t.reannounced >= _LONELY_REANNOUNCE and not t.handle.get_peer_info():

@@ -276,9 +276,11 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     [layer] = image.layers
     digest, size = layer["digest"], layer["size"]
     # node 2 must ask node 1 for pieces for there to be a bad one to catch: on a loaded
-    # machine (two failures in 33 runs, 2026-12-07: nothing from peers, no hash failure)
-    # node 1's answer can take longer than the default peer_wait (1 s), and its pieces
-    # then come from the region first; or node 2 reads before node 1's HAVEs are in
+    # machine (two failures in 33 runs, 2026-12-07: node 2 took all 16 MiB from the
+    # region, no hash failure, with settle_wait 0.5 s and 2 s alike) node 1's answer can
+    # take longer than the default peer_wait (1 s), and its pieces then come from the
+    # region first; or node 2 reads before node 1's HAVEs are in. The failure message
+    # carries node 2's swarm counters (pieces asked of peers, peer_timeouts) and log.
     a, b = nodes(2, swarm={"peer_wait": 4.0})
     mount_a, mount_b = _provide(world, [a, b], image)
     path = a.download(digest)
@@ -290,10 +292,6 @@ def test_a_peer_sending_corrupt_pieces_is_banned(world, nodes):
     assert _read(mount_b, files) == files
     status = b.status()
     f = status["fetch"]
-    # (failed twice in 33 loaded runs, 2026-12-07: node 2 took all 16 MiB from the region,
-    # with settle_wait 0.5 s and with 2 s alike; the message carries its swarm's counters
-    # (pieces asked of peers, peer_timeouts: whether node 1 was asked and too slow, or
-    # never asked) and log)
     swarm = {k: v for k, v in status["data_path"]["sources"]["swarm"].items() if k != "torrents"}
     assert f["hash_failures"] >= 1, f"{f}\n{swarm}\n" + "\n".join(
         line for line in b.log(1 << 20).splitlines()[-400:] if digest in line or "swarm" in line or "peer" in line)
@@ -620,8 +618,7 @@ def test_a_read_waiting_on_a_peer_that_dies_goes_to_the_region_at_once(world, no
     """(2b) Node 2 reads a file through FUSE from node 1, the only node that has it, over
     node 1's slow link; node 1 is killed mid-read. The pieces node 2 had asked of it go to
     the region as soon as node 1's connection closes, not after `peer_wait` (60 s here)
-    nor the chain's deadline: no read timed out or hung, and the pieces released are
-    counted."""
+    nor the chain's deadline: no read timed out or hung."""
     image, files = world.image({"a.bin": 24 * MiB})
     [layer] = image.layers
     digest = layer["digest"]
@@ -647,7 +644,8 @@ def test_a_read_waiting_on_a_peer_that_dies_goes_to_the_region_at_once(world, no
     reader.join(120)
     assert got.get("files") == files, got.get("files")
     swarm = b.status()["data_path"]["sources"]["swarm"]
-    figures = str({k: v for k, v in swarm.items() if k != "torrents"}) + "\n" + "\n".join(x for x in b.log(1 << 20).splitlines() if digest in x)
+    figures = f"{ {k: v for k, v in swarm.items() if k != 'torrents'} }\n" + "\n".join(
+        line for line in b.log(1 << 20).splitlines() if digest in line)
     assert swarm["bytes_from_peers"] >= MiB // 2, figures  # the kill came mid-read, with pieces asked of node 1
     # (the pieces asked of node 1 are released by its going (peer_gone_pieces), or by a
     # later read that fetched one of them from the region meanwhile (a piece shared by two
