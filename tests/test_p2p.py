@@ -493,6 +493,30 @@ def test_session_ticks_fast_only_under_a_rate_limit(loopback_swarm):
     assert ticks == [500, 20]
 
 
+def test_a_read_waiting_on_a_peer_that_leaves_takes_the_rest_from_the_region(loopback_swarm):
+    """A read waiting on pieces asked of the one peer that had them, which leaves mid-read
+    (its session closed), takes the pieces still missing from the region as soon as the
+    owner sees that no connected peer has them: counted as peer_gone_pieces, with no peer
+    timeout (peer_wait is 60 s here: without the release the read waits that long, then
+    counts every piece still missing as a timeout)."""
+    blob, data = loopback_swarm.blob, loopback_swarm.data
+    a, _ = loopback_swarm(1, upload_rate_limit=512 << 10)  # 24 pieces of 256 KiB: about 12 s
+    a.download(blob, timeout=30)
+    b, region_b = loopback_swarm(2, peer_wait=60.0)
+    b.ensure(blob)  # (until b counts a as a seed, b's plan asks the region for every piece)
+    assert _wait(lambda: b.statistics()["torrents"][0]["seeds"] >= 1)
+    done: list = []
+    reader = threading.Thread(target=lambda: done.append(b.read(blob, [(0, len(data))])), daemon=True)
+    reader.start()
+    assert _wait(lambda: b.statistics()["bytes_from_peers"] >= 256 << 10)  # the read is under way, from a
+    a.close()
+    reader.join(timeout=120)
+    assert done == [[data]]
+    figures = b.statistics()
+    assert figures["peer_gone_pieces"] >= 1 and figures["peer_timeouts"] == 0, figures
+    assert 0 < region_b.bytes < len(data)  # the rest, not the whole blob again
+
+
 def test_tracker_and_region_outages_never_fail_a_read(loopback_swarm):
     """Connected peers keep exchanging when the tracker is gone; a node that cannot
     reach the tracker reads from the region; a node with neither says NotHere."""
