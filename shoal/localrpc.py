@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from shoal.errors import ShoalError
@@ -24,9 +25,17 @@ def call(path: str, request: dict, timeout: float = 60.0, what: str = "") -> dic
     """Send one request; the answer, or ShoalError naming `what` (default: the socket)."""
     what = what or path
     op = request.get("op")
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(path)
+        while True:
+            try:
+                sock.connect(path)
+                break
+            except BlockingIOError:  # its backlog is full: the server accepts late, it is not gone
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what}: {op}: the socket accepted no connection within {timeout:g}s") from None
+                time.sleep(0.01)
         sock.sendall(json.dumps(request).encode() + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):

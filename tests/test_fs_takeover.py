@@ -10,6 +10,7 @@ import errno
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import pytest
 from builder.convert import convert
 from builder.oci.refs import open_source
 from shoal.fsutil import mounts
+from snapshotter.fs import client as fs_client
 from snapshotter.fs import holder
 from snapshotter.fs.client import WATCH_INTERVAL, FSClient
 from snapshotter.fs.session import NO_RESEND_ENV
@@ -397,6 +399,62 @@ def test_a_stopped_node_restarts_no_layer_file_system_server(lazy_image, node_ro
     time.sleep(6 * WATCH_INTERVAL)  # (the supervisor would have restarted it by now)
     assert layers.fs.restarts == 0 and not _answers(root)
     layers.fs.ensure_running()  # (a server to end the session: the fixture's stop unmounts)
+
+
+def _servers(root: Path) -> list[int]:
+    """PIDs of the layer file system server processes of `root` (running or stopped)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"snapshotter.fs.server" in args and os.fsencode(root) in args and _running(int(entry.name)):
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def test_a_server_that_answers_late_is_not_joined_by_a_second_one(lazy_image, node_root, monkeypatch, caplog):
+    """A server that is alive but does not answer the supervisor's pings for a while (here
+    SIGSTOP; on a node, a machine too loaded to answer in time) gets no second server on
+    its session beside it: the supervisor waits. One that has not answered for
+    HUNG_AFTER is killed by its PID and replaced, and the layer reads on through the new one."""
+    monkeypatch.setattr(fs_client, "PING_TIMEOUT", 0.5)
+    monkeypatch.setattr(fs_client, "HUNG_AFTER", 60.0)
+    caplog.set_level(logging.WARNING, logger="shoal.fs")
+    ref, manifest, tree = lazy_image
+    root, clients = node_root
+    layers = RemoteLayers(str(root))
+    clients.append(layers.fs)
+    layers.start()
+    lazy = Path(layers.prepare("late", "", layer_labels(ref, manifest["layers"][0])).path)
+    busybox = (tree / "bin/busybox").read_bytes()
+    assert (lazy / "bin/busybox").read_bytes() == busybox
+    first = layers.fs.ping()["pid"]
+    os.kill(first, signal.SIGSTOP)
+    try:
+        time.sleep(12 * max(WATCH_INTERVAL, fs_client.PING_TIMEOUT))  # 4 failed pings and more
+        late = (layers.fs.restarts, _servers(root))
+    finally:
+        os.kill(first, signal.SIGCONT)
+    assert late == (0, [first])
+    assert layers.fs.ping()["pid"] == first
+    monkeypatch.setattr(fs_client, "HUNG_AFTER", 2.0)
+    os.kill(first, signal.SIGSTOP)
+    try:
+        wait_for(lambda: layers.fs.restarts >= 1, "the supervisor's restart", timeout=60)
+    finally:
+        if _running(first):
+            os.kill(first, signal.SIGCONT)
+    wait_for(lambda: not _running(first), "the hung server's end", timeout=10)
+    second = layers.fs.ping()["pid"]
+    assert second != first and _servers(root) == [second]
+    with open(lazy / "bin/busybox", "rb") as f:  # (through the new server: the cached pages dropped)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert f.read() == busybox
+    assert f"layer file system server (pid {first}) has not answered for" in caplog.text
 
 
 def test_a_dead_mount_is_replaced_when_the_holder_died_too(lazy_image, node_root):

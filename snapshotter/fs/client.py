@@ -24,6 +24,11 @@ log = logging.getLogger("shoal.fs")
 
 RESTART_BACKOFF = (0.2, 30.0)  # the supervisor's first and longest wait between restarts
 WATCH_INTERVAL = 0.5  # how often the supervisor pings the server
+PING_TIMEOUT = 5.0  # a ping not answered by then has failed
+# A server that is alive but has not answered a ping for this long is hung: the supervisor
+# kills it (by its PID) and starts another. Before that it waits: a second server beside a
+# live one would serve the same FUSE session and take its control socket over.
+HUNG_AFTER = 30.0
 
 
 class FSClient:
@@ -54,9 +59,9 @@ class FSClient:
     def _call(self, op: str, timeout: float = 60.0, **args) -> dict:
         return localrpc.call(self.sock_path, {"op": op, **args}, timeout, "layer file system")
 
-    def ping(self, timeout: float = 5.0) -> dict:
+    def ping(self, timeout: float | None = None) -> dict:
         """{"pid"} of the server (and "listen_port" of its swarm, when it has one)."""
-        return self._call("ping", timeout=timeout)
+        return self._call("ping", timeout=PING_TIMEOUT if timeout is None else timeout)
 
     def running(self) -> bool:
         try:
@@ -101,24 +106,19 @@ class FSClient:
             return
         log.info("layer file system server (pid %d) is version %s, this node %s: handing its session over",
                  old_pid, old_version or "?", software_version())
-        try:
-            os.kill(old_pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(old_pid):
-            time.sleep(0.02)
-        if _alive(old_pid):
+        if not _signal_and_wait(old_pid, signal.SIGUSR1, timeout):
             raise ShoalError(f"layer file system server (pid {old_pid}) did not hand over within {timeout:.0f}s")
 
     def _watch(self) -> None:
         wait = RESTART_BACKOFF[0]
+        silent_since: float | None = None  # when the live server stopped answering
         while True:
             time.sleep(WATCH_INTERVAL)
             if self._stopped:
                 continue
             try:
-                self.ping(timeout=5.0)
+                self.ping()
+                silent_since = None
                 continue
             except (OSError, ShoalError, ValueError):
                 pass
@@ -126,7 +126,20 @@ class FSClient:
                 if self._stopped:
                     continue
                 if self.running():  # (one started meanwhile: by supervise, or the node's prepare)
+                    silent_since = None
                     continue
+                if self.pid is not None and self._server_alive(self.pid):
+                    now = time.monotonic()
+                    if silent_since is None:
+                        silent_since = now
+                        log.warning("layer file system server (pid %d) does not answer but runs: waiting up to "
+                                    "%.0fs before replacing it", self.pid, HUNG_AFTER)
+                    if now - silent_since < HUNG_AFTER:
+                        continue
+                    log.error("layer file system server (pid %d) has not answered for %.0fs: killing it and "
+                              "starting another (restart %d)", self.pid, now - silent_since, self.restarts + 1)
+                    _signal_and_wait(self.pid, signal.SIGKILL, 10.0)  # (its FUSE session stays with the holder)
+                silent_since = None
                 log.warning("layer file system server (pid %s) does not answer: restarting it (restart %d)",
                             self.pid, self.restarts + 1)
                 try:
@@ -140,9 +153,12 @@ class FSClient:
             wait = min(wait * 2, RESTART_BACKOFF[1])
 
     def _ensure_running(self, timeout: float) -> bool:
-        """Start a server unless one runs; True when this call started it."""
+        """Start a server unless one runs; True when this call started it. ShoalError
+        when the known server runs but does not answer (never a second one beside it)."""
         if self.running():
             return False
+        if self.pid is not None and self._server_alive(self.pid):
+            raise ShoalError(f"layer file system server (pid {self.pid}) runs but does not answer on {self.sock_path}")
         private_dir(os.path.join(self.root, "logs"))
         log_path = os.path.join(self.root, "logs", "fs.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -168,6 +184,15 @@ class FSClient:
                 return True
             time.sleep(0.05)
         raise ShoalError(f"layer file system server did not start within {timeout:.0f}s (log: {log_path})")
+
+    def _server_alive(self, pid: int) -> bool:
+        """`pid` is a live layer file system server of this root (not a PID reused since)."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            return False
+        return b"snapshotter.fs.server" in args and os.fsencode(self.root) in args and _alive(pid)
 
     def load(self, layer_id: str) -> str:
         """Serve the layer ROOT/layers/`layer_id` (its blob.json written, with its TOC's
@@ -288,6 +313,18 @@ def _entries(chunks: list | None, whole: list[str] | None) -> dict:
     if whole is not None:
         out["whole"] = list(whole)
     return out
+
+
+def _signal_and_wait(pid: int, sig: int, timeout: float) -> bool:
+    """Send `sig` to `pid` and wait for its end; False if it still runs after `timeout`."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.02)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
