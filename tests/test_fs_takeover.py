@@ -403,17 +403,8 @@ def test_a_stopped_node_restarts_no_layer_file_system_server(lazy_image, node_ro
 
 def _servers(root: Path) -> list[int]:
     """PIDs of the layer file system server processes of `root` (running or stopped)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"snapshotter.fs.server" in args and os.fsencode(root) in args and _running(int(entry.name)):
-            out.append(int(entry.name))
-    return sorted(out)
+    fs = FSClient(str(root))
+    return sorted(int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and fs._server_alive(int(e.name)))
 
 
 def test_a_server_that_answers_late_is_not_joined_by_a_second_one(lazy_image, node_root, monkeypatch, caplog):
