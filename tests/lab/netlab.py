@@ -196,6 +196,13 @@ class Lab:
                             "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "50ms"],
                            check=True, capture_output=True, text=True)
 
+    def tx_bytes(self, host: Host) -> int:
+        """Bytes the host's link has sent out so far (its device's tx counter: what went
+        over its uplink, headers included; not what its processes wrote into sockets)."""
+        out = subprocess.run(["ip", "-n", host.ns, "-s", "-j", "link", "show", "dev", host.dev],
+                             check=True, capture_output=True, text=True).stdout
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
     def popen(self, host: Host, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start a process inside the host's network namespace (nsenter execs it: the
         PID is the process's own)."""
