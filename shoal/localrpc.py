@@ -22,7 +22,9 @@ log = logging.getLogger("shoal.control")
 
 
 def call(path: str, request: dict, timeout: float = 60.0, what: str = "") -> dict:
-    """Send one request; the answer, or ShoalError naming `what` (default: the socket)."""
+    """Send one request; the answer, or ShoalError naming `what` (default: the socket)
+    when the server fails it or closes the connection; OSError when the socket cannot be
+    reached (TimeoutError when it accepts no connection, or does not answer, in `timeout`)."""
     what = what or path
     op = request.get("op")
     deadline = time.monotonic() + timeout

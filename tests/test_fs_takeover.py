@@ -26,6 +26,7 @@ import pytest
 
 from builder.convert import convert
 from builder.oci.refs import open_source
+from shoal.errors import ShoalError
 from shoal.fsutil import mounts
 from snapshotter.fs import client as fs_client
 from snapshotter.fs import holder
@@ -428,9 +429,13 @@ def test_a_server_that_answers_late_is_not_joined_by_a_second_one(lazy_image, no
     try:
         time.sleep(12 * max(WATCH_INTERVAL, fs_client.PING_TIMEOUT))  # 4 failed pings and more
         late = (layers.fs.restarts, _servers(root))
+        # a Prepare meanwhile (it makes sure a server runs) fails in one line, starting none
+        with pytest.raises(ShoalError, match=f"server \\(pid {first}\\) runs but does not answer"):
+            layers.fs.ensure_running()
+        late += (_servers(root),)
     finally:
         os.kill(first, signal.SIGCONT)
-    assert late == (0, [first])
+    assert late == (0, [first], [first])
     assert layers.fs.ping()["pid"] == first
     monkeypatch.setattr(fs_client, "HUNG_AFTER", 2.0)
     os.kill(first, signal.SIGSTOP)
