@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from shoal.errors import ShoalError
+
 
 def node_status(root: str) -> dict:
     """What the node at root is doing: layers (lazy/unpacked), reads, cache and sources."""
@@ -17,8 +19,8 @@ def node_status(root: str) -> dict:
 
     status: dict = {"root": root, "fs_server": None, "lazy_layers": [], "unpacked_layers": []}
     fs = FSClient(root)
-    if fs.running():
-        reply = fs.status()
+    reply = _fs_status(fs)
+    if reply is not None:
         held = holder.ping(root)  # the holder of its FUSE session (fs/holder.py): the mount survives the server
         status["fs_server"] = {"pid": fs.pid, "mount": fs.mnt, "uptime_s": reply.get("uptime_s"),
                                "version": fs.version, "session_holder": held["pid"] if held else None,
@@ -46,6 +48,29 @@ def node_status(root: str) -> dict:
     status["images"] = [{k: r.get(k) for k in ("image", "manifest", "mode", "warm_bytes", "target_bytes", "warm",
                                                "measured")} for r in warmth_records(root)]
     return status
+
+
+STATUS_TIMEOUT = 30.0  # seconds a status waits for a busy layer file system server's answer
+
+
+def _fs_status(fs) -> dict | None:
+    """The layer file system server's status reply, or None when no server runs (no
+    socket, or nobody listening on it, or no mount). ShoalError when one runs but does not
+    answer within STATUS_TIMEOUT (a loaded node's server answers late): a status without
+    its figures would read as a node whose server has served nothing."""
+    try:
+        answer = fs.ping(timeout=STATUS_TIMEOUT)
+        if not os.path.ismount(fs.mnt):
+            return None
+        fs.pid, fs.version = answer["pid"], str(answer.get("version", ""))
+        return fs.status(timeout=STATUS_TIMEOUT)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    except TimeoutError:
+        raise ShoalError(f"the layer file system server of {fs.root} did not answer within {STATUS_TIMEOUT:g}s: "
+                         "its figures are not known") from None
+    except (KeyError, ValueError) as e:
+        raise ShoalError(f"the layer file system server of {fs.root} answered its status badly: {e}") from None
 
 
 def remote_chains(root: str) -> list[dict]:

@@ -28,11 +28,13 @@ from builder.convert import convert
 from builder.oci.refs import open_source
 from shoal.errors import ShoalError
 from shoal.fsutil import mounts
+from snapshotter import status as node_status_module
 from snapshotter.fs import client as fs_client
 from snapshotter.fs import holder
 from snapshotter.fs.client import WATCH_INTERVAL, FSClient
 from snapshotter.fs.session import NO_RESEND_ENV
 from snapshotter.remote import RemoteLayers
+from snapshotter.status import node_status
 from tests.lab.fromdir import ImageConfig, build_image
 from tests.rootfs import busybox_layer, lazy_app_image
 from tests.services import SHOAL, NodeProcess, shoal_node_with_containerd, start_registry, wait_for
@@ -415,6 +417,7 @@ def test_a_server_that_answers_late_is_not_joined_by_a_second_one(lazy_image, no
     HUNG_AFTER is killed by its PID and replaced, and the layer reads on through the new one."""
     monkeypatch.setattr(fs_client, "PING_TIMEOUT", 0.5)
     monkeypatch.setattr(fs_client, "HUNG_AFTER", 60.0)
+    monkeypatch.setattr(node_status_module, "STATUS_TIMEOUT", 0.5)
     caplog.set_level(logging.WARNING, logger="shoal.fs")
     ref, manifest, tree = lazy_image
     root, clients = node_root
@@ -433,10 +436,15 @@ def test_a_server_that_answers_late_is_not_joined_by_a_second_one(lazy_image, no
         with pytest.raises(ShoalError, match=f"server \\(pid {first}\\) runs but does not answer"):
             layers.fs.ensure_running()
         late += (_servers(root),)
+        # and `shoal status` says it does not know the server's figures (not a node whose
+        # server has served nothing: before, no fs_server and every count 0)
+        with pytest.raises(ShoalError, match="did not answer within 0.5s: its figures are not known"):
+            node_status(str(root))
     finally:
         os.kill(first, signal.SIGCONT)
     assert late == (0, [first], [first])
     assert layers.fs.ping()["pid"] == first
+    assert node_status(str(root))["fs_server"]["pid"] == first
     monkeypatch.setattr(fs_client, "HUNG_AFTER", 2.0)
     os.kill(first, signal.SIGSTOP)
     try:

@@ -209,10 +209,10 @@ class FSClient:
         """Stop serving the layer (its access trace goes); False if it was not loaded."""
         return bool(self._call("unload", id=layer_id)["unloaded"])
 
-    def status(self) -> dict:
+    def status(self, timeout: float = 60.0) -> dict:
         """{"layers": [per layer figures], "uptime_s", "ops", "prefetch", "store": the data
         path's figures (memory, chunk store, sources)}."""
-        return self._call("status")
+        return self._call("status", timeout=timeout)
 
     def profile(self, layers: list[str] | None = None) -> list[list]:
         """The access trace of the loaded layers (or of `layers`, digests): [[layer

@@ -710,7 +710,7 @@ class LabNode:
     def status(self) -> dict:
         """`shoal status --root ROOT --json` (over the layer file system's socket)."""
         out = subprocess.run([SHOAL, "status", "--root", str(self.root), "--json"], capture_output=True,
-                             text=True, timeout=60, check=False, env=_env())
+                             text=True, timeout=90, check=False, env=_env())
         if out.returncode != 0:
             raise RuntimeError(f"shoal status of {self.host.ip}: {out.stderr[-1000:]}")
         return json.loads(out.stdout)
